@@ -1,0 +1,1 @@
+"""compass-compat: cohere_compass for mlx-vlm releases that predate it."""

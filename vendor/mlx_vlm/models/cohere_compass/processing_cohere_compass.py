@@ -1,0 +1,1 @@
+"""Torch-free image processor and processor for cohere_compass (placeholder)."""
