@@ -1,8 +1,383 @@
-"""Text decoder for cohere_compass (placeholder)."""
+"""Text decoder of cohere_compass: Command-style parallel blocks, NoPE full layers,
+interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..base import LanguageModelOutput
+from ..cache import KVCache, RotatingKVCache
+from .config import RopeSpec, TextConfig, grid_sequence
+
+
+def mrope_axis_table(section: Sequence[int], half_dim: int) -> np.ndarray:
+    """Position axis (0=t, 1=h, 2=w) read by each of the ``half_dim`` frequency slots.
+
+    Interleaved layout: slot j reads h when ``j % 3 == 1 and j < 3*section[1]``,
+    w when ``j % 3 == 2 and j < 3*section[2]``, t otherwise.
+    """
+    j = np.arange(half_dim)
+    axis = np.zeros(half_dim, dtype=np.int32)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis
+
+
+def _rotate_half(x: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class MultimodalRotary:
+    """Rotation of one sliding-layer kind, for either a scalar offset or explicit positions.
+
+    Equal position axes (text, decode) reduce MRoPE to ordinary non-traditional
+    RoPE, which goes through mlx-lm's rope (``mx.fast.rope``); only prompts whose
+    axes differ (images) take the general cos/sin path.
+    """
+
+    def __init__(self, spec: RopeSpec, head_dim: int):
+        self.spec = spec
+        self.head_dim = head_dim
+        self._fast = initialize_rope(head_dim, base=spec.theta, traditional=False)
+        half = head_dim // 2
+        self._inv_freq = mx.array(
+            1.0 / (spec.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)),
+            dtype=mx.float32,
+        )
+        self._axis = mx.array(mrope_axis_table(spec.mrope_section, half))
+
+    def cos_sin(self, position_ids: mx.array) -> Tuple[mx.array, mx.array]:
+        """cos/sin of shape [B, 1, L, head_dim] for positions [3, B, L]."""
+        per_slot = position_ids[self._axis].astype(mx.float32)  # [half, B, L]
+        angles = per_slot.transpose(1, 2, 0) * self._inv_freq  # [B, L, half]
+        angles = mx.concatenate([angles, angles], axis=-1)[:, None]
+        return mx.cos(angles), mx.sin(angles)
+
+    def apply(self, x: mx.array, positions: "Positions") -> mx.array:
+        if positions.explicit is None:
+            return self._fast(x, offset=positions.offset)
+        cos, sin = positions.cos_sin(self)
+        out = x.astype(mx.float32) * cos + _rotate_half(x.astype(mx.float32)) * sin
+        return out.astype(x.dtype)
+
+
+class Positions:
+    """Where the tokens of one forward pass sit: a scalar offset or [3, B, L] ids."""
+
+    def __init__(self, offset: int = 0, explicit: Optional[mx.array] = None):
+        self.offset = offset
+        self.explicit = explicit
+        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+
+    def cos_sin(self, rotary: MultimodalRotary):
+        key = id(rotary)
+        if key not in self._tables:
+            self._tables[key] = rotary.cos_sin(self.explicit)
+        return self._tables[key]
+
+
+def causal_mask(L: int, K: int, window: Optional[int]) -> Optional[mx.array]:
+    """Boolean [L, K] mask for L queries whose keys (chronological) end at the last query.
+
+    A key is visible iff ``q - window < k <= q``. Returns None when every key is visible.
+    """
+    if L == 1 and (window is None or K <= window):
+        return None
+    q = mx.arange(K - L, K)[:, None]
+    k = mx.arange(K)[None]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig, layer_type: str):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
+        spec = config.rope_for(layer_type)
+        # Full-attention layers carry no positional encoding at all.
+        self._rotary = MultimodalRotary(spec, self.head_dim) if spec else None
+        self.window = config.sliding_window if layer_type == "sliding_attention" else None
+
+    def __call__(self, x, positions: Positions, masks: "MaskBuilder", cache=None):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self._rotary is not None:
+            q = self._rotary.apply(q, positions)
+            k = self._rotary.apply(k, positions)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = masks.get(L, k.shape[2], self.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MaskBuilder:
+    """Per-forward cache of masks, keyed by (queries, keys, window).
+
+    A 2-D padding mask is only ever ANDed into the causal mask, never used in
+    its place (mlx-vlm 0.3.x passes the processor's attention mask as ``mask``).
+    """
+
+    def __init__(self, padding: Optional[mx.array]):
+        self.padding = padding
+        self._cache: Dict[Tuple[int, int, Optional[int]], Optional[mx.array]] = {}
+
+    def get(self, L: int, K: int, window: Optional[int]):
+        key = (L, K, window)
+        if key not in self._cache:
+            mask = causal_mask(L, K, window)
+            if self.padding is not None and self.padding.shape[-1] == K:
+                pad = self.padding.astype(mx.bool_)[:, None, None, :]
+                mask = pad if mask is None else mask & pad
+            self._cache[key] = mask
+        return self._cache[key]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(
+                f"text_config.hidden_act {config.hidden_act!r} is not supported; "
+                "cohere_compass uses 'silu' (SwiGLU)"
+            )
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LayerNorm(nn.Module):
+    """Weight-only LayerNorm whose statistics are computed in float32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        y = mx.fast.layer_norm(x.astype(mx.float32), self.weight.astype(mx.float32), None, self.eps)
+        return y.astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = Attention(config, layer_type)
+        self.mlp = MLP(config)
+
+    def __call__(self, x, positions, masks, cache=None):
+        # Parallel block: both branches read the same normed input.
+        n = self.input_layernorm(x)
+        return x + self.self_attn(n, positions, masks, cache) + self.mlp(n)
+
+
+class CompassTextModel(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config, t) for t in config.layer_types]
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+
+    def __call__(self, h, positions, masks, cache, deepstack=None):
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, positions, masks, c)
+            # Deepstack residuals go in after decoder layers 0..k-1 only.
+            if deepstack is not None and i < len(deepstack):
+                h = h + deepstack[i].astype(h.dtype)
+        return self.norm(h)
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, config):
+    """Decoder plus the per-sequence MRoPE state that decode steps need.
+
+    ``rope_delta`` from the last prefill is kept on the module; a new sequence
+    (cache offset 0) resets it, so text-only prompts never inherit image positions.
+    """
+
+    def __init__(self, config: TextConfig, tie_word_embeddings: bool = True):
         super().__init__()
         self.config = config
+        self.model_type = config.model_type
+        self.model = CompassTextModel(config)
+        self.tie_word_embeddings = tie_word_embeddings
+        if not tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logit_scale = config.logit_scale
+        self._rope_deltas: Optional[mx.array] = None
+        self._positions_source: Optional[mx.array] = None
+        self._positions_base = 0
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self) -> List[Any]:
+        return [
+            RotatingKVCache(max_size=self.config.sliding_window, keep=0)
+            if layer.layer_type == "sliding_attention"
+            else KVCache()
+            for layer in self.model.layers
+        ]
+
+    def _chunk_start(self, full: mx.array, L: int, offset: int) -> int:
+        # mlx-vlm >= 0.4 hands every prefill chunk the full-prompt position ids.
+        if full.shape[-1] == L:
+            return 0
+        if self._positions_source is not full:
+            self._positions_source, self._positions_base = full, offset
+        return offset - self._positions_base
+
+    def __call__(
+        self,
+        inputs: Optional[mx.array] = None,
+        inputs_embeds: Optional[mx.array] = None,
+        mask: Optional[mx.array] = None,
+        cache: Optional[List[Any]] = None,
+        position_ids: Optional[mx.array] = None,
+        rope_deltas: Optional[Any] = None,
+        deepstack_visual_embeds: Optional[List[mx.array]] = None,
+        **kwargs,
+    ) -> LanguageModelOutput:
+        h = self.model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
+        B, L = h.shape[:2]
+        if cache is None:
+            cache = [None] * len(self.model.layers)
+        offset = cache[0].offset if cache[0] is not None else 0
+        if offset == 0:
+            self._rope_deltas = None
+        if rope_deltas is not None:
+            self._rope_deltas = rope_deltas
+
+        deepstack = None
+        if position_ids is not None:
+            start = self._chunk_start(position_ids, L, offset)
+            explicit = position_ids[..., start : start + L]
+            if deepstack_visual_embeds is not None:
+                deepstack = [d[:, start : start + L] for d in deepstack_visual_embeds]
+            positions = Positions(explicit=explicit)
+        else:
+            delta = self._rope_deltas
+            if delta is None:
+                positions = Positions(offset=offset)
+            elif isinstance(delta, int):
+                positions = Positions(offset=offset + delta)
+            else:
+                ids = (mx.arange(L)[None] + offset + delta.reshape(-1, 1)).astype(mx.int32)
+                positions = Positions(explicit=mx.broadcast_to(ids[None], (3, B, L)))
+
+        padding = mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
+        h = self.model(h, positions, MaskBuilder(padding), cache, deepstack)
+        keep = kwargs.get("logits_to_keep") or 0
+        if keep:
+            h = h[:, -keep:]
+        if self.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        return LanguageModelOutput(logits=logits)
+
+    @staticmethod
+    def sanitize(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        return weights
+
+
+def get_rope_index(
+    input_ids: np.ndarray,
+    image_grid_thw,
+    image_token_id: int,
+    spatial_merge_size: int,
+    attention_mask: Optional[np.ndarray] = None,
+    mm_token_type_ids: Optional[np.ndarray] = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Qwen-VL position ids [3, B, L] and rope deltas [B] for a prompt with images.
+
+    Text advances all three axes by one; an image's pads take (t, h, w) indices of
+    its merged grid offset by the running position; the next text token starts
+    at the maximum position so far + 1. Images are found by token type
+    (``mm_token_type_ids`` when given, else ``input_ids == image_token_id``).
+    """
+    input_ids = np.asarray(input_ids)
+    B, L = input_ids.shape
+    types = (
+        np.asarray(mm_token_type_ids)
+        if mm_token_type_ids is not None
+        else (input_ids == image_token_id).astype(np.int32)
+    )
+    grids = list(grid_sequence(image_grid_thw)) if image_grid_thw is not None else []
+    grid_iter = iter(grids)
+    m = spatial_merge_size
+    position_ids = np.zeros((3, B, L), dtype=np.int32)
+    deltas = np.zeros((B,), dtype=np.int64)
+    for b in range(B):
+        keep = (
+            np.asarray(attention_mask[b]).astype(bool)
+            if attention_mask is not None
+            else np.ones(L, dtype=bool)
+        )
+        row_types = types[b][keep]
+        pieces: List[np.ndarray] = []
+        pos, i, n = 0, 0, len(row_types)
+        while i < n:
+            if row_types[i] == 0:
+                j = i
+                while j < n and row_types[j] == 0:
+                    j += 1
+                pieces.append(np.broadcast_to(np.arange(pos, pos + j - i), (3, j - i)))
+                pos += j - i
+                i = j
+                continue
+            try:
+                t, h, w = next(grid_iter)
+            except StopIteration:
+                raise ValueError(
+                    "The prompt has more image tokens than image_grid_thw describes "
+                    f"({len(grids)} image(s)); pass one grid row per image"
+                ) from None
+            gh, gw = h // m, w // m
+            count = t * gh * gw
+            run = row_types[i : i + count]
+            if len(run) != count or not np.all(run == row_types[i]):
+                raise ValueError(
+                    f"Image {len(pieces)} needs {count} image tokens for grid "
+                    f"({t}, {h}, {w}) but the prompt has a run of {int(np.sum(run != 0))}"
+                )
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            pieces.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos)
+            pos += max(gh, gw)
+            i += count
+        row = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int32)
+        position_ids[:, b, keep] = row
+        deltas[b] = (int(row.max()) + 1 - n) if n else 0
+    if next(grid_iter, None) is not None:
+        raise ValueError(
+            f"image_grid_thw describes {len(grids)} images but the prompt has image "
+            "tokens for fewer; each image needs its own placeholder"
+        )
+    return position_ids, deltas
