@@ -1,0 +1,68 @@
+"""Drive a loaded cohere_compass Model the way mlx-vlm does, for parity checks."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+def image_kwargs(case: Dict) -> Dict:
+    if "pixel_values" not in case:
+        return {}
+    return {
+        "pixel_values": mx.array(case["pixel_values"]),
+        "image_grid_thw": mx.array(case["image_grid_thw"]),
+        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
+    }
+
+
+def prefill(model, case: Dict, cache=None) -> mx.array:
+    """Prefill logits [L, V] of a reference case through Model.__call__."""
+    cache = cache if cache is not None else model.language_model.make_cache()
+    kw = image_kwargs(case)
+    out = model(mx.array(case["input_ids"]), kw.pop("pixel_values", None), cache=cache, **kw)
+    return out.logits[0]
+
+
+def teacher_forced_decode(model, case: Dict, steps: Optional[int] = None) -> np.ndarray:
+    """Logits of each greedy step [steps, V], feeding the reference's greedy ids one at a time."""
+    cache = model.language_model.make_cache()
+    logits = prefill(model, case, cache)
+    rows = [np.array(logits[-1])]
+    ids = case["greedy_ids"]
+    steps = len(ids) if steps is None else steps
+    for token in ids[: steps - 1]:
+        out = model.language_model(mx.array([[int(token)]]), cache=cache)
+        rows.append(np.array(out.logits[0, -1]))
+    return np.stack(rows)
+
+
+def greedy(model, case: Dict, steps: int) -> List[int]:
+    cache = model.language_model.make_cache()
+    y = int(mx.argmax(prefill(model, case, cache)[-1]).item())
+    ids = [y]
+    for _ in range(steps - 1):
+        out = model.language_model(mx.array([[y]]), cache=cache)
+        y = int(mx.argmax(out.logits[0, -1]).item())
+        ids.append(y)
+    return ids
+
+
+def chunked_prefill(model, case: Dict, chunk: int) -> mx.array:
+    """Prefill in chunks the way mlx-vlm >= 0.4 does: embeddings once, then the
+    decoder per chunk with the full-prompt kwargs."""
+    cache = model.language_model.make_cache()
+    kw = image_kwargs(case)
+    ids = mx.array(case["input_ids"])
+    emb = model.get_input_embeddings(ids, kw.pop("pixel_values", None), **kw)
+    extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
+    rows = []
+    L = ids.shape[1]
+    for s in range(0, L, chunk):
+        out = model.language_model(
+            ids[:, s : s + chunk], inputs_embeds=emb.inputs_embeds[:, s : s + chunk], cache=cache, **extra
+        )
+        rows.append(out.logits[0])
+    return mx.concatenate(rows, axis=0)
