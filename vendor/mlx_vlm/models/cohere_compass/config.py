@@ -89,6 +89,7 @@ class TextConfig:
     num_hidden_layers: int = 40
     num_attention_heads: int = 64
     num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     layer_norm_eps: float = 1e-5
@@ -110,11 +111,17 @@ class TextConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"text_config.hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
+        # SPEC says the reference ignores a head_dim key; measured on transformers
+        # 5.24 it does not (the key overrides hidden_size // num_attention_heads).
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"text_config.hidden_size ({self.hidden_size}) must be divisible by "
+                    f"num_attention_heads ({self.num_attention_heads}), or give head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"text_config.head_dim must be a positive even number, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"text_config.num_attention_heads ({self.num_attention_heads}) must be a "
@@ -147,11 +154,6 @@ class TextConfig:
                     f"{list(spec.mrope_section)} sums to {sum(spec.mrope_section)}, "
                     f"but head_dim // 2 is {self.head_dim // 2}"
                 )
-
-    @property
-    def head_dim(self) -> int:
-        # The reference derives head_dim and ignores a "head_dim" key.
-        return self.hidden_size // self.num_attention_heads
 
     def rope_for(self, layer_type: str) -> Optional[RopeSpec]:
         """The rotation of ``layer_type`` layers, or None for no positional encoding.

@@ -1,1 +1,668 @@
-"""Torch-free image processor and processor for cohere_compass (placeholder)."""
+"""Torch-free image processor and processor for cohere_compass (North-Micro-Vision).
+
+Behaviour follows transformers' ``CohereCompassImageProcessorPil`` and
+``CohereCompassProcessor`` (5.21+); only numpy and PIL do the image math, and the
+module imports on transformers 4.57 and 5.x alike. Importing it registers nothing:
+compass_compat registers ``CohereCompassProcessor`` with ``AutoProcessor``.
+
+How the mlx-vlm pins drive a processor (read from their utils.py / prompt_utils.py /
+generate code):
+
+- Loading, every pin: ``load_processor`` calls ``AutoProcessor.from_pretrained(path,
+  **load_kwargs)`` (0.4.4 adds ``use_fast=True``), then sets ``processor.detokenizer``
+  and ``processor.tokenizer.stopping_criteria``. ``load`` swaps in
+  ``processor.image_processor`` only when the model package exports ``ImageProcessor``
+  (this one must not). ``convert`` calls ``processor.save_pretrained``.
+- Prompt: 0.3.9 uses ``processor.apply_chat_template(messages, tokenize=False,
+  add_generation_prompt=...)`` only if ``"chat_template" in processor.__dict__``; 0.4.4+
+  when ``processor.chat_template`` is not None, else the tokenizer's. 0.6.12+ add
+  ``enable_thinking=False`` when the method takes ``**kwargs``.
+- Text-only prompts never reach the processor: every pin calls
+  ``processor.tokenizer(prompts, add_special_tokens=True, ...)`` itself.
+- With images: mlx-vlm's llava path runs when ``image_processor`` is an instance of
+  *mlx-vlm's own* ``BaseImageProcessor``; ours derives from transformers' class, so the
+  processor is called as ``processor(text=..., images=[PIL...], padding=True,
+  return_tensors="mlx", add_special_tokens=True)`` (True on every pin for this model
+  type). 0.4.4+ add ``padding_side="left"`` if the signature names it; 0.7.10 also
+  forwards ``min_pixels``/``max_pixels``/``resized_height``/``resized_width`` when the
+  caller set them and the signature has ``**kwargs``. 0.3.9 retries with
+  ``return_tensors="pt"`` after any exception. Every returned key becomes a model
+  keyword argument. 0.4.4+ convert images to RGB (alpha dropped) before the call.
+- 0.7.10 reads ``image_processor.num_image_tokens(h, w, **overrides)`` for budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+from PIL import Image, ImageOps
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.image_processing_utils import BaseImageProcessor
+
+logger = logging.getLogger(__name__)
+
+# Published North-Micro-Vision preprocessor_config.json values.
+DEFAULT_PATCH_SIZE = 16
+DEFAULT_MERGE_SIZE = 2
+DEFAULT_TEMPORAL_PATCH_SIZE = 2
+DEFAULT_MIN_PIXELS = 65536
+DEFAULT_MAX_PIXELS = 16777216
+MAX_ASPECT_RATIO = 200
+
+IMAGE_PROCESSOR_KEYS = (
+    "patch_size", "merge_size", "temporal_patch_size", "size", "min_pixels", "max_pixels",
+    "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
+    "image_std", "do_convert_rgb",
+)
+_TOKENIZER_CALL_KEYS = (
+    "truncation", "max_length", "pad_to_multiple_of", "return_attention_mask",
+    "return_token_type_ids", "return_length", "verbose",
+)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+    """Target (height, width): multiples of ``factor``, pixel count in [min, max], aspect kept."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has an empty side: {width}x{height}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image of {width}x{height} pixels has aspect ratio {ratio:.1f}; cohere_compass accepts "
+            f"at most {MAX_ASPECT_RATIO}. Crop or pad the image first."
+        )
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / shrink / factor) * factor)
+        w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * grow / factor) * factor
+        w = math.ceil(width * grow / factor) * factor
+    return h, w
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"cohere_compass image processor: `{name}` must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _per_channel(name: str, value) -> List[float]:
+    values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+    if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+        raise ValueError(f"cohere_compass image processor: `{name}` must be 3 finite numbers, got {value!r}")
+    return [float(v) for v in values]
+
+
+def flatten_images(images) -> list:
+    """A flat list from one image, a list, a list of lists, or a 4-D array batch."""
+    if isinstance(images, np.ndarray) and images.ndim == 4:
+        return list(images)
+    if not isinstance(images, (list, tuple)):
+        return [images]
+    flat = []
+    for item in images:
+        flat.extend(flatten_images(item) if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
+def _open_file(path) -> Image.Image:
+    # Same steps as transformers' load_image: EXIF orientation, then plain RGB (no compositing).
+    try:
+        with Image.open(path) as im:
+            im.load()  # open() is lazy; truncation and decode errors surface here
+            return ImageOps.exif_transpose(im).convert("RGB")
+    except Exception as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
+        raise ValueError(f"cannot read image file {os.fspath(path)!r}: {err}") from err
+
+
+def _channels_last(array: np.ndarray) -> np.ndarray:
+    if array.ndim == 2:  # the reference rejects 2-D arrays; treat them as grayscale
+        return array[..., None]
+    if array.ndim != 3:
+        raise ValueError(f"image array must have 2 or 3 dimensions, got shape {array.shape}")
+    # Channel axis inferred like transformers: leading axis wins when both could be it.
+    if array.shape[0] in (1, 3, 4):
+        return np.moveaxis(array, 0, -1)
+    if array.shape[-1] in (1, 3, 4):
+        return array
+    raise ValueError(f"cannot tell the channel axis of an image array of shape {array.shape}")
+
+
+def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
+    """(H, W, 3) array in the input dtype: gray repeated, alpha composited onto white."""
+    array = _channels_last(np.asarray(array))
+    channels = array.shape[-1]
+    if do_convert_rgb and channels == 1:
+        array = np.repeat(array, 3, axis=-1)
+    elif do_convert_rgb and channels == 4:
+        is_int = np.issubdtype(array.dtype, np.integer)
+        if not is_int and (array.min() < 0.0 or array.max() > 1.0):
+            raise ValueError("a float RGBA image must hold values in [0, 1]")
+        white = 255 if is_int else 1.0
+        alpha = array[..., 3:4] / white
+        blended = alpha * array[..., :3] + (1 - alpha) * white
+        array = (np.round(blended) if is_int else blended).astype(array.dtype)
+    if array.shape[-1] != 3:
+        raise ValueError(f"expected an RGB image, got {array.shape[-1]} channel(s) with do_convert_rgb=False")
+    return array
+
+
+def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
+    """RGB PIL image from an array, plus whether values were scaled up from [0, 1].
+
+    PIL resizes uint8 only; the conversion follows the reference's array path.
+    """
+    array = _rgb_array(array, do_convert_rgb)
+    scaled = False
+    if array.dtype != np.uint8:
+        if np.allclose(array, array.astype(int)):
+            if array.min() < 0 or array.max() > 255:
+                raise ValueError(f"image values must lie in [0, 255], got [{array.min()}, {array.max()}]")
+        elif array.min() >= 0 and array.max() <= 1:
+            # The reference multiplies by 255 through float32 and truncates; so do we.
+            array = (array.astype(np.float64) * 255).astype(np.float32)
+            scaled = True
+        else:
+            raise ValueError(f"float image values must lie in [0, 1] or [0, 255], got [{array.min()}, {array.max()}]")
+        array = array.astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(array), mode="RGB"), scaled
+
+
+def _to_rgb_pil(image, do_convert_rgb: bool):
+    if isinstance(image, (str, os.PathLike)):
+        if str(image).startswith(("http://", "https://")):
+            raise ValueError(f"image URLs are not fetched here; load the image first: {image}")
+        return _open_file(image), False
+    if isinstance(image, Image.Image):
+        has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
+            return image, False
+        if not do_convert_rgb:
+            raise ValueError(f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False")
+        if has_alpha:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB"), False
+        return image.convert("RGB"), False
+    if isinstance(image, np.ndarray):
+        return _array_to_rgb_pil(image, do_convert_rgb)
+    raise ValueError(
+        f"unsupported image of type {type(image).__name__}; pass a PIL image, a numpy array or a file path"
+    )
+
+
+def _batch(data: Dict[str, Any], return_tensors) -> BatchFeature:
+    if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
+        return BatchFeature(data=data, tensor_type=return_tensors)
+    # transformers 5.x answers "mlx" with numpy arrays; give mx.array on every version.
+    import mlx.core as mx
+
+    arrays = BatchFeature(data=data, tensor_type="np")
+    return BatchFeature(data={k: mx.array(v) for k, v in arrays.items()})
+
+
+class CohereCompassImageProcessor(BaseImageProcessor):
+    """Native-resolution patches for the cohere_compass vision tower.
+
+    Each image becomes ``pixel_values`` rows of ``3 * temporal_patch_size * patch_size**2``
+    floats in merge-window order and an ``image_grid_thw`` row ``[1, h/patch, w/patch]``.
+    """
+
+    model_input_names = ["pixel_values", "image_grid_thw"]
+
+    def __init__(
+        self,
+        patch_size: int = DEFAULT_PATCH_SIZE,
+        merge_size: int = DEFAULT_MERGE_SIZE,
+        temporal_patch_size: int = DEFAULT_TEMPORAL_PATCH_SIZE,
+        size: Optional[Dict[str, int]] = None,
+        min_pixels: Optional[int] = None,
+        max_pixels: Optional[int] = None,
+        do_resize: bool = True,
+        resample: int = Image.Resampling.BICUBIC,
+        do_rescale: bool = True,
+        rescale_factor: float = 1 / 255,
+        do_normalize: bool = True,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        do_convert_rgb: bool = True,
+        **kwargs,
+    ):
+        # Checkpoints may carry spatial_merge_size (the vision config's name) or neither.
+        merge_size = kwargs.pop("spatial_merge_size", merge_size)
+        super().__init__(**kwargs)
+        size = dict(size) if size is not None else {}
+        # Legacy keys win over `size`, as in the reference.
+        if min_pixels is not None:
+            size["shortest_edge"] = min_pixels
+        if max_pixels is not None:
+            size["longest_edge"] = max_pixels
+        size.setdefault("shortest_edge", DEFAULT_MIN_PIXELS)
+        size.setdefault("longest_edge", DEFAULT_MAX_PIXELS)
+        self.size = {
+            "shortest_edge": _positive_int("size.shortest_edge (min_pixels)", size["shortest_edge"]),
+            "longest_edge": _positive_int("size.longest_edge (max_pixels)", size["longest_edge"]),
+        }
+        if self.size["shortest_edge"] > self.size["longest_edge"]:
+            raise ValueError(
+                "cohere_compass image processor: `size.shortest_edge` (min_pixels, "
+                f"{self.size['shortest_edge']}) exceeds `size.longest_edge` (max_pixels, "
+                f"{self.size['longest_edge']})"
+            )
+        self.patch_size = _positive_int("patch_size", patch_size)
+        self.merge_size = _positive_int("merge_size", merge_size)
+        self.temporal_patch_size = _positive_int("temporal_patch_size", temporal_patch_size)
+        if resample not in {int(r) for r in Image.Resampling}:
+            raise ValueError(f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}")
+        self.resample = int(resample)
+        if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
+            raise ValueError(
+                f"cohere_compass image processor: `rescale_factor` must be a positive number, got {rescale_factor!r}"
+            )
+        self.rescale_factor = float(rescale_factor)
+        self.image_mean = _per_channel("image_mean", image_mean)
+        self.image_std = _per_channel("image_std", image_std)
+        if 0.0 in self.image_std:
+            raise ValueError(f"cohere_compass image processor: `image_std` has a zero: {self.image_std}")
+        self.do_resize = bool(do_resize)
+        self.do_rescale = bool(do_rescale)
+        self.do_normalize = bool(do_normalize)
+        self.do_convert_rgb = bool(do_convert_rgb)
+
+    @property
+    def min_pixels(self) -> int:
+        return self.size["shortest_edge"]
+
+    @property
+    def max_pixels(self) -> int:
+        return self.size["longest_edge"]
+
+    @classmethod
+    def from_dict(cls, image_processor_dict: Dict[str, Any], **kwargs):
+        # The base classes set kwargs as attributes after __init__, skipping validation.
+        return_unused = kwargs.pop("return_unused_kwargs", False)
+        config = dict(image_processor_dict)
+        if "size" in kwargs:  # an explicit size replaces the file's legacy pixel keys too
+            config.pop("min_pixels", None)
+            config.pop("max_pixels", None)
+        overrides = {k: v for k, v in kwargs.items() if k in IMAGE_PROCESSOR_KEYS}
+        unused = {k: v for k, v in kwargs.items() if k not in IMAGE_PROCESSOR_KEYS}
+        processor = cls(**{**config, **overrides})
+        return (processor, unused) if return_unused else processor
+
+    def _with_overrides(self, overrides: Dict[str, Any]) -> "CohereCompassImageProcessor":
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(overrides) - set(IMAGE_PROCESSOR_KEYS)
+        if unknown:
+            raise TypeError(f"unexpected image processor argument(s): {sorted(unknown)}")
+        if not overrides:
+            return self
+        config = {k: getattr(self, k) for k in IMAGE_PROCESSOR_KEYS if k not in ("min_pixels", "max_pixels")}
+        if "size" in overrides:
+            config["size"] = {**config["size"], **overrides.pop("size")}
+        return type(self)(**{**config, **overrides})
+
+    def resized_shape(self, height: int, width: int) -> tuple:
+        factor = self.patch_size * self.merge_size
+        if not self.do_resize:
+            if height % factor or width % factor:
+                raise ValueError(
+                    f"with do_resize=False the image sides must be multiples of {factor}, got {width}x{height}"
+                )
+            return height, width
+        return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+
+    def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:
+        ip = self._with_overrides({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
+        h, w = ip.resized_shape(height, width)
+        return (h // ip.patch_size) * (w // ip.patch_size)
+
+    def num_image_tokens(self, height: int, width: int, **overrides) -> int:
+        ip = self._with_overrides(overrides)
+        return ip.get_number_of_image_patches(height, width) // ip.merge_size**2
+
+    def _pixels(self, image) -> np.ndarray:
+        """One image as normalized float32 (H, W, 3) at its target size."""
+        scaled = False
+        if not self.do_resize and isinstance(image, np.ndarray) and image.dtype != np.uint8:
+            array = _rgb_array(image, self.do_convert_rgb)  # no PIL round trip, as in the reference
+            self.resized_shape(array.shape[0], array.shape[1])  # sides must already fit
+        else:
+            pil, scaled = _to_rgb_pil(image, self.do_convert_rgb)
+            target_h, target_w = self.resized_shape(pil.height, pil.width)
+            if self.do_resize:
+                # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
+                pil = pil.resize((target_w, target_h), resample=self.resample)
+            array = np.asarray(pil)
+        # float64 product, then float32: the reference's rescale, bit for bit.
+        if scaled:
+            array = (array.astype(np.float64) * (1 / 255)).astype(np.float32)
+        if self.do_rescale:
+            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            array = array.astype(np.float32, copy=False)
+            mean = np.asarray(self.image_mean, dtype=np.float32)
+            std = np.asarray(self.image_std, dtype=np.float32)
+            array = (array - mean) / std
+        return np.asarray(array, dtype=np.float32)
+
+    def _patchify(self, pixels: np.ndarray) -> tuple:
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        height, width, channels = pixels.shape
+        grid_h, grid_w = height // p, width // p
+        blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
+        # -> (block row, block col, row in block, col in block, channel, y, x)
+        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
+        # A still image is its own temporal_patch_size frames: repeat along a new time axis.
+        frames = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (t, p, p))
+        return frames.reshape(grid_h * grid_w, channels * t * p * p), grid_h, grid_w
+
+    def preprocess(self, images, return_tensors=None, **overrides) -> BatchFeature:
+        ip = self._with_overrides(overrides)
+        rows, grids = [], []
+        for image in flatten_images(images):
+            patches, grid_h, grid_w = ip._patchify(ip._pixels(image))
+            rows.append(patches)
+            grids.append([1, grid_h, grid_w])
+        if not rows:
+            raise ValueError("no images to process")
+        data = {
+            "pixel_values": np.concatenate(rows, axis=0),
+            "image_grid_thw": np.asarray(grids, dtype=np.int64),
+        }
+        return _batch(data, return_tensors)
+
+    def __call__(self, images, return_tensors=None, **overrides) -> BatchFeature:
+        return self.preprocess(images, return_tensors=return_tensors, **overrides)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _named_templates(template):
+    # tokenizer_config.json may hold [{"name": ..., "template": ...}, ...].
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}
+    if isinstance(template, dict) and set(template) == {"default"}:
+        return template["default"]
+    return template
+
+
+def load_chat_template(path: Path, tokenizer=None):
+    """Chat template of a checkpoint folder, newest layout first."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+        template = (_read_json(path / name) or {}).get("chat_template")
+        if template:
+            return _named_templates(template)
+    return getattr(tokenizer, "chat_template", None)
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        # transformers 4.57 cannot resolve a tokenizer from an unknown model_type; the
+        # tokenizer.json alone is enough.
+        if not (path / "tokenizer.json").is_file():
+            raise
+        logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, err)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return without_double_bos(tokenizer)
+
+
+def without_double_bos(tokenizer):
+    """Make ``tokenizer`` skip its own BOS when the text already starts with it.
+
+    Every mlx-vlm pin tokenizes text-only chat prompts with ``add_special_tokens=True``
+    straight through ``processor.tokenizer``, while the chat template already wrote
+    ``{{ bos_token }}``; a Cohere-style BOS post-processor would then give two BOS tokens.
+    The instance's class is swapped for a subclass (same state, same name) so every
+    caller of this tokenizer gets the fix, not only this processor.
+    """
+    base = type(tokenizer)
+    if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
+        return tokenizer
+
+    def adds_bos(self) -> bool:
+        if "_compass_adds_bos" not in self.__dict__:
+            ids = base.__call__(self, "", add_special_tokens=True)["input_ids"]
+            self.__dict__["_compass_adds_bos"] = list(ids[:1]) == [self.bos_token_id]
+        return self.__dict__["_compass_adds_bos"]
+
+    def strip(self, text, add_special_tokens):
+        bos = self.bos_token
+        if not add_special_tokens or not bos or not adds_bos(self):
+            return text
+        if isinstance(text, str):
+            return text[len(bos):] if text.startswith(bos) else text
+        if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+            return [t[len(bos):] if t.startswith(bos) else t for t in text]
+        return text
+
+    def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
+        return base.__call__(self, strip(self, text, add_special_tokens), *args,
+                             add_special_tokens=add_special_tokens, **kwargs)
+
+    def encode(self, text, *args, add_special_tokens=True, **kwargs):
+        return base.encode(self, strip(self, text, add_special_tokens), *args,
+                           add_special_tokens=add_special_tokens, **kwargs)
+
+    guarded = type(base.__name__, (base,), {
+        "__call__": __call__, "encode": encode, "_compass_no_double_bos": True,
+        "__module__": base.__module__, "__qualname__": base.__qualname__,
+    })
+    tokenizer.__class__ = guarded
+    return tokenizer
+
+
+class CohereCompassProcessor:
+    """Tokenizer + image processor for cohere_compass; expands each ``<|IMAGE_PAD|>``."""
+
+    image_token = "<|IMAGE_PAD|>"
+    video_token = "<|VIDEO_PAD|>"
+    vision_start_token = "<|VISION_START|>"
+    vision_end_token = "<|VISION_END|>"
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        if tokenizer is None:
+            raise ValueError("CohereCompassProcessor needs a tokenizer")
+        self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
+        self.tokenizer = tokenizer
+        # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
+        self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        self.image_token_id = self._token_id(self.image_token, required=True)
+        self.video_token_id = self._token_id(self.video_token)
+        self.vision_start_token_id = self._token_id(self.vision_start_token)
+        self.vision_end_token_id = self._token_id(self.vision_end_token)
+        self._adds_bos = None
+
+    def _token_id(self, token: str, required: bool = False) -> Optional[int]:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self.tokenizer.unk_token_id:
+            if required:
+                raise ValueError(f"the tokenizer has no {token} token")
+            return None
+        return token_id
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Build from a local checkpoint folder; loader options (revision, use_fast,
+        trust_remote_code, ...) are ignored: nothing here reaches the network or runs
+        checkpoint code. Image processor keys in ``kwargs`` override the folder's values."""
+        path = Path(pretrained_model_name_or_path)
+        if not path.is_dir():
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        tokenizer = _load_tokenizer(path)
+        preprocessor = _read_json(path / "preprocessor_config.json") or {}
+        image_processor = CohereCompassImageProcessor.from_dict(preprocessor, **overrides)
+        chat_template = kwargs.pop("chat_template", None) or load_chat_template(path, tokenizer)
+        if getattr(tokenizer, "chat_template", None) is None and chat_template is not None:
+            tokenizer.chat_template = chat_template  # for callers that template via the tokenizer
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save_pretrained(str(path))
+        self.image_processor.save_pretrained(str(path))
+        if isinstance(self.chat_template, str):
+            (path / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+        return [str(path)]
+
+    @property
+    def model_input_names(self) -> List[str]:
+        return ["input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
+
+    def tokenizer_adds_bos(self) -> bool:
+        """Whether ``add_special_tokens=True`` makes the tokenizer prepend its BOS token."""
+        if self._adds_bos is None:
+            bos_id = self.tokenizer.bos_token_id
+            ids = self.tokenizer("", add_special_tokens=True)["input_ids"]
+            self._adds_bos = bos_id is not None and list(ids[:1]) == [bos_id]
+        return self._adds_bos
+
+    def __call__(
+        self,
+        images=None,
+        text=None,
+        videos=None,
+        *,
+        padding=False,
+        padding_side: Optional[str] = None,
+        add_special_tokens: bool = True,
+        return_tensors=None,
+        return_mm_token_type_ids: bool = True,
+        **kwargs,
+    ) -> BatchFeature:
+        if videos is not None:
+            raise ValueError("video input is not supported by this cohere_compass processor")
+        if text is None and images is None:
+            raise ValueError("CohereCompassProcessor needs text, images or both")
+        image_kwargs = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        tokenizer_kwargs = {k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs}
+        if kwargs:
+            logger.warning("CohereCompassProcessor ignores unsupported argument(s): %s", sorted(kwargs))
+
+        images = flatten_images(images) if images is not None else []
+        texts = None
+        if text is not None:
+            texts = [text] if isinstance(text, str) else list(text)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("`text` must be a string or a list of strings")
+            placeholders = sum(t.count(self.image_token) for t in texts)
+            if placeholders != len(images):
+                raise ValueError(
+                    f"the text has {placeholders} {self.image_token} placeholder(s) but {len(images)} "
+                    "image(s) were passed; they must match"
+                )
+
+        image_inputs = {}
+        if images:
+            image_processor = self.image_processor
+            image_inputs = dict(image_processor(images, **image_kwargs))
+            merge = image_kwargs.get("merge_size") or getattr(image_processor, "merge_size", DEFAULT_MERGE_SIZE)
+            counts = [int(np.prod(g)) // merge**2 for g in np.asarray(image_inputs["image_grid_thw"])]
+            texts = self._expand(texts, counts) if texts is not None else None
+
+        data = {}
+        if texts is not None:
+            if add_special_tokens and self.tokenizer_adds_bos():
+                # The chat template already wrote the BOS token; let the tokenizer add the only one.
+                bos = self.tokenizer.bos_token
+                texts = [t[len(bos):] if t.startswith(bos) else t for t in texts]
+            if padding_side is not None:
+                tokenizer_kwargs["padding_side"] = padding_side
+            tokenizer_kwargs.setdefault("return_token_type_ids", False)
+            encoded = self.tokenizer(texts, padding=padding, add_special_tokens=add_special_tokens, **tokenizer_kwargs)
+            data.update(encoded)
+            type_ids = [self._token_types(row) for row in encoded["input_ids"]]
+            if images:
+                found = sum(int(np.sum(np.asarray(r) == 1)) for r in type_ids)
+                if found != sum(counts):
+                    raise ValueError(
+                        f"tokenized text holds {found} image tokens, expected {sum(counts)} "
+                        "(was it truncated?)"
+                    )
+            if return_mm_token_type_ids:
+                data["mm_token_type_ids"] = type_ids
+        data.update(image_inputs)
+        return _batch(data, return_tensors)
+
+    def _expand(self, texts: List[str], counts: List[int]) -> List[str]:
+        """Each placeholder, in order across the batch, becomes its image's token count."""
+        remaining = iter(counts)
+        expanded = []
+        for t in texts:
+            pieces = t.split(self.image_token)
+            out = [pieces[0]]
+            for piece in pieces[1:]:
+                out.append(self.image_token * next(remaining))
+                out.append(piece)
+            expanded.append("".join(out))
+        return expanded
+
+    def _token_types(self, ids) -> List[int]:
+        ids = np.asarray(ids)
+        types = np.zeros(ids.shape, dtype=np.int64)
+        types[ids == self.image_token_id] = 1
+        if self.video_token_id is not None:
+            types[ids == self.video_token_id] = 2
+        return types.tolist()
+
+    def apply_chat_template(self, conversation, chat_template=None, tokenize: bool = False, **kwargs):
+        """Render with this processor's template through the tokenizer. With ``tokenize=True``
+        the text goes through this processor, with the images found in the messages."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not tokenize:
+            return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+        if conversation and not isinstance(conversation[0], dict):
+            raise ValueError("tokenize=True takes one conversation (a list of messages), not a batch")
+        return_dict = kwargs.pop("return_dict", False)
+        return_tensors = kwargs.pop("return_tensors", None)
+        text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+        parts = [
+            part
+            for message in conversation
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") == "image"
+        ]
+        images = [next((p[k] for k in ("image", "path", "url") if p.get(k) is not None), None) for p in parts]
+        if None in images:
+            raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
+        out = self(text=text, images=images or None, add_special_tokens=False, return_tensors=return_tensors)
+        return out if return_dict else out["input_ids"]
+
+    def batch_decode(self, *args, **kwargs):
+        return self.tokenizer.batch_decode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
+            f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
+        )
+
+
+__all__ = ["CohereCompassImageProcessor", "CohereCompassProcessor", "smart_resize"]

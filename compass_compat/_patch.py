@@ -1,0 +1,541 @@
+"""The one module that knows how to patch mlx-vlm for ``cohere_compass``.
+
+What :func:`apply_patch` does, all or nothing:
+
+1. appends ``<vendor>/mlx_vlm`` to the END of ``mlx_vlm.__path__`` and
+   ``<vendor>/mlx_vlm/models`` to the END of ``mlx_vlm.models.__path__``, so
+   ``import mlx_vlm.models.cohere_compass`` (what mlx-vlm's own loader does)
+   finds the vendored package where mlx-vlm has none, and upstream's where it
+   ships one;
+2. with ``force_vendored`` (argument or ``COMPASS_COMPAT_FORCE_VENDORED=1``)
+   makes the vendored package the live ``mlx_vlm.models.cohere_compass`` even
+   where upstream ships one, also if upstream's was already imported;
+3. registers ``cohere_compass`` in ``mlx_vlm.prompt_utils.MODEL_CONFIG`` with
+   the image-first list message format (in place);
+4. wraps ``transformers.AutoProcessor.from_pretrained`` so a local checkpoint
+   folder whose ``config.json`` says ``cohere_compass`` gets the vendored
+   torch-free processor while the vendored package is the live one.
+
+Every hook is checked before anything changes; a missing one raises
+:class:`CompassCompatError` naming it and the installed mlx-vlm version. A
+failure midway undoes what was done and re-raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple
+
+from .errors import CompassCompatError
+
+MODEL_TYPE = "cohere_compass"
+PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
+PROCESSING_MODULE = f"{PACKAGE}.processing_{MODEL_TYPE}"
+PROCESSOR_CLASS = "CohereCompassProcessor"
+FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
+TAG = "__compass_compat__"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+_MISSING = object()
+
+_Undo = Tuple[str, Callable[[], None]]
+
+
+@dataclass
+class _State:
+    applied: bool = False
+    forced: bool = False
+    force_source: str = ""
+    processor_hook: bool = False
+    undo: List[_Undo] = field(default_factory=list)
+
+
+_LOCK = threading.Lock()
+_STATE = _State()
+
+
+@dataclass(frozen=True)
+class ImplementationInfo:
+    """Which ``cohere_compass`` implementation mlx-vlm gets, and why.
+
+    Attributes:
+        implementation: ``"vendored"``, ``"upstream"`` or ``"none"``.
+        file: the ``__init__.py`` of the live (or, if not yet imported, the
+            resolvable) package, or None.
+        loaded: whether ``mlx_vlm.models.cohere_compass`` is in ``sys.modules``.
+        patched: whether :func:`apply_patch` is in effect.
+        forced: whether the vendored package was forced over upstream's.
+        upstream_available: whether the installed mlx-vlm ships its own package.
+        mlx_vlm_version: the installed mlx-vlm version.
+        vendor_dir: the vendored tree this copy of compass-compat uses.
+        reason: one sentence saying why this implementation is the live one.
+    """
+
+    implementation: str
+    file: Optional[str]
+    loaded: bool
+    patched: bool
+    forced: bool
+    upstream_available: bool
+    mlx_vlm_version: str
+    vendor_dir: str
+    reason: str
+
+
+# ---------------------------------------------------------------- locations
+
+
+def vendor_root() -> Path:
+    """The directory holding the vendored ``mlx_vlm/models/cohere_compass`` tree.
+
+    An installed wheel carries it as ``compass_compat/_vendor``; a source
+    checkout (or editable install) has it at ``<repo>/vendor``.
+    """
+    here = Path(__file__).resolve().parent
+    candidates = (here / "_vendor", here.parent / "vendor")
+    for root in candidates:
+        if (root / "mlx_vlm" / "models" / MODEL_TYPE / "__init__.py").is_file():
+            return root
+    raise CompassCompatError(
+        "compass-compat cannot find its vendored cohere_compass package; looked in "
+        + " and ".join(str(c / "mlx_vlm" / "models" / MODEL_TYPE) for c in candidates)
+    )
+
+
+def _vendored_package_dir() -> Path:
+    return vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE
+
+
+def _within(path: Optional[str], directory: Path) -> bool:
+    if not path:
+        return False
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([real, base]) == base
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+# ------------------------------------------------------------------ inspect
+
+
+def _mlx_vlm_version() -> str:
+    try:
+        import mlx_vlm
+
+        return str(mlx_vlm.__version__)
+    except (ImportError, AttributeError):
+        try:
+            from importlib.metadata import version
+
+            return version("mlx-vlm")
+        except ImportError:
+            return "unknown"
+
+
+@dataclass
+class _Hooks:
+    """Everything apply_patch touches, looked up before anything changes."""
+
+    version: str
+    vendor: Path
+    mlx_vlm: Any
+    models: Any
+    model_config: Any
+    image_first: Any
+    auto_processor: Any
+
+
+def _force_from_env() -> Tuple[bool, str]:
+    raw = os.environ.get(FORCE_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True, f"environment variable {FORCE_ENV}={raw}"
+    if value in _FALSE:
+        return False, ""
+    raise CompassCompatError(
+        f"{FORCE_ENV}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)"
+    )
+
+
+def _import_or_none(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            return None  # the module itself is gone: reported as a missing hook
+        raise
+
+
+def _find_hooks() -> _Hooks:
+    """Look up every hook; raise naming all missing ones. Changes nothing."""
+    import mlx_vlm
+
+    version = _mlx_vlm_version()
+    vendor = vendor_root()
+    missing: List[str] = []
+
+    def need(owner: Any, owner_name: str, attr: str, check: Callable[[Any], bool] = lambda v: True) -> Any:
+        if owner is None:
+            return None  # the owner itself is already reported missing
+        value = getattr(owner, attr, _MISSING)
+        if value is _MISSING or not check(value):
+            missing.append(f"{owner_name}.{attr}")
+            return None
+        return value
+
+    need(mlx_vlm, "mlx_vlm", "__path__", lambda p: hasattr(p, "append"))
+    models = _import_or_none("mlx_vlm.models")
+    if models is None:
+        missing.append("mlx_vlm.models")
+    else:
+        need(models, "mlx_vlm.models", "__path__", lambda p: hasattr(p, "append"))
+    prompt_utils = _import_or_none("mlx_vlm.prompt_utils")
+    if prompt_utils is None:
+        missing.append("mlx_vlm.prompt_utils")
+    model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
+    message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat")
+    # LIST_WITH_IMAGE_FIRST exists on every mlx-vlm from 0.3.9 to 0.7.10 (qwen3_vl
+    # uses it; mlx-vlm >= 0.6.13 registers its own cohere_compass with it).
+    image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST")
+    import transformers
+
+    auto_processor = need(transformers, "transformers", "AutoProcessor")
+    need(auto_processor, "transformers.AutoProcessor", "from_pretrained", callable)
+    if missing:
+        raise CompassCompatError(
+            f"compass-compat cannot patch mlx-vlm {version}: missing hook(s) "
+            f"{', '.join(missing)}; mlx-vlm was left unchanged",
+            hooks=missing,
+            mlx_vlm_version=version,
+        )
+    return _Hooks(version, vendor, mlx_vlm, models, model_config, image_first, auto_processor)
+
+
+def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.ModuleSpec]:
+    """Upstream's own cohere_compass spec, ignoring the vendored path entry."""
+    ours = str(vendor / "mlx_vlm" / "models")
+    entries = [p for p in list(getattr(models, "__path__", [])) if not _same_dir(p, ours)]
+    # mlx-vlm >= 0.6.13 ships models/cohere_compass; 0.3.9 to 0.6.12 do not.
+    return importlib.machinery.PathFinder.find_spec(PACKAGE, entries)
+
+
+# ------------------------------------------------------------------ patches
+
+
+def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) -> None:
+    path = owner.__path__
+    if any(_same_dir(p, str(entry)) for p in list(path)):
+        return
+    text = str(entry)
+    path.append(text)
+
+    def remove() -> None:
+        if text in owner.__path__:
+            owner.__path__.remove(text)
+
+    undo.append((f"remove {text} from {owner_name}.__path__", remove))
+
+
+def _package_modules() -> List[str]:
+    return [n for n in list(sys.modules) if n == PACKAGE or n.startswith(PACKAGE + ".")]
+
+
+def _make_vendored_live(hooks: _Hooks, undo: List[_Undo]) -> None:
+    """Purge any other cohere_compass from sys.modules and import ours under its name."""
+    pkg_dir = hooks.vendor / "mlx_vlm" / "models" / MODEL_TYPE
+    live = sys.modules.get(PACKAGE)
+    if live is not None and _within(getattr(live, "__file__", None), pkg_dir):
+        return
+    saved = {name: sys.modules[name] for name in _package_modules()}
+    parent = hooks.models
+    old_attr = vars(parent).get(MODEL_TYPE, _MISSING)
+
+    def restore() -> None:
+        for name in _package_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
+        if old_attr is _MISSING:
+            vars(parent).pop(MODEL_TYPE, None)
+        else:
+            setattr(parent, MODEL_TYPE, old_attr)
+
+    undo.append((f"restore the {PACKAGE} modules found in sys.modules", restore))
+    for name in saved:
+        del sys.modules[name]
+    # An explicit spec keeps the name mlx_vlm.models.cohere_compass, so the
+    # package's relative imports (..base, ..cache) reach the installed mlx-vlm.
+    spec = importlib.util.spec_from_file_location(
+        PACKAGE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
+    )
+    if spec is None or spec.loader is None:
+        raise CompassCompatError(f"cannot build an import spec for {pkg_dir}", mlx_vlm_version=hooks.version)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = module
+    spec.loader.exec_module(module)
+    setattr(parent, MODEL_TYPE, module)
+    if sys.modules.get(PACKAGE) is not module or not _within(module.__file__, pkg_dir):
+        raise CompassCompatError(
+            f"forcing the vendored {PACKAGE} failed: the live module comes from "
+            f"{getattr(sys.modules.get(PACKAGE), '__file__', None)}, not {pkg_dir}",
+            mlx_vlm_version=hooks.version,
+        )
+
+
+def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) -> None:
+    table = hooks.model_config  # mutated in place: other modules imported it by name
+    previous = table.get(MODEL_TYPE, _MISSING)
+    if previous is hooks.image_first or (previous is not _MISSING and not overwrite):
+        return
+    table[MODEL_TYPE] = hooks.image_first
+
+    def restore() -> None:
+        if previous is _MISSING:
+            table.pop(MODEL_TYPE, None)
+        else:
+            table[MODEL_TYPE] = previous
+
+    undo.append((f"restore mlx_vlm.prompt_utils.MODEL_CONFIG[{MODEL_TYPE!r}]", restore))
+
+
+def is_compass_checkpoint(path: Any) -> bool:
+    """True when ``path`` is a local folder whose config.json says ``cohere_compass``."""
+    try:
+        folder = os.fspath(path)
+    except TypeError:
+        return False
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False  # not recognisably ours; the original loader reports its own error
+    return isinstance(data, dict) and str(data.get("model_type", "")).lower() == MODEL_TYPE
+
+
+def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
+    module = importlib.import_module(PROCESSING_MODULE)
+    processor_cls = getattr(module, PROCESSOR_CLASS, None)
+    if processor_cls is None or not hasattr(processor_cls, "from_pretrained"):
+        raise CompassCompatError(
+            f"{module.__file__} defines no {PROCESSOR_CLASS}.from_pretrained; "
+            f"cannot build the cohere_compass processor for {os.fspath(path)}",
+            hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
+            mlx_vlm_version=_mlx_vlm_version(),
+        )
+    return processor_cls.from_pretrained(path, *args, **kwargs)
+
+
+def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
+    if _STATE.processor_hook:
+        # Installed by an earlier default apply on a pin without upstream's
+        # package, so no upstream processor patch can sit above it.
+        return
+    auto = hooks.auto_processor
+    original = vars(auto).get("from_pretrained", _MISSING)
+    # Patch AutoProcessor.from_pretrained itself: it exists with every transformers
+    # mlx-vlm supports, whereas mlx-vlm's install_auto_processor_patch only exists
+    # from mlx-vlm 0.3.10 on (0.3.9 lacks it).
+    fallback = auto.from_pretrained  # bound, for the (never seen) inherited case
+    active = [True]
+
+    def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if active[0] and is_compass_checkpoint(pretrained_model_name_or_path):
+            return _vendored_processor(pretrained_model_name_or_path, *args, **kwargs)
+        target = original.__get__(None, cls) if original is not _MISSING else fallback
+        return target(pretrained_model_name_or_path, *args, **kwargs)
+
+    setattr(from_pretrained, TAG, True)
+    from_pretrained.__compass_compat_active__ = active  # type: ignore[attr-defined]
+    from_pretrained.__compass_compat_original__ = original  # type: ignore[attr-defined]
+    from_pretrained.__wrapped__ = getattr(original, "__func__", fallback)  # type: ignore[attr-defined]
+    from_pretrained.__doc__ = (
+        "compass-compat: cohere_compass folders get the vendored torch-free processor; "
+        "everything else goes to the wrapped AutoProcessor.from_pretrained."
+    )
+    wrapper = classmethod(from_pretrained)
+    auto.from_pretrained = wrapper
+
+    def restore() -> None:
+        active[0] = False
+        if vars(auto).get("from_pretrained") is wrapper:
+            if original is _MISSING:
+                delattr(auto, "from_pretrained")
+            else:
+                auto.from_pretrained = original
+        # else something (e.g. an mlx-vlm model's install_auto_processor_patch)
+        # wrapped ours since; ours stays in that chain as an inert pass-through.
+
+    undo.append(("restore transformers.AutoProcessor.from_pretrained", restore))
+
+
+# ------------------------------------------------------------------- public
+
+
+def _run_undo(steps: List[_Undo], version: str) -> None:
+    failures = []
+    for description, step in reversed(steps):
+        try:
+            step()
+        except Exception as exc:  # collected and re-raised below, never dropped
+            failures.append(f"{description}: {exc!r}")
+    steps.clear()
+    if failures:
+        raise CompassCompatError(
+            f"compass-compat could not fully undo its patch of mlx-vlm {version}: " + "; ".join(failures),
+            mlx_vlm_version=version,
+        )
+
+
+def apply_patch(force_vendored: Optional[bool] = None) -> bool:
+    """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints.
+
+    Args:
+        force_vendored: make the vendored package the live
+            ``mlx_vlm.models.cohere_compass`` even where the installed mlx-vlm
+            (>= 0.6.13) ships its own, purging an already imported upstream
+            module. None (the default) reads ``COMPASS_COMPAT_FORCE_VENDORED``
+            (1/true/yes/on). Without forcing, upstream wins where it exists.
+
+    Returns:
+        True if this call changed anything; False if the patch was already in
+        effect (a default call after any apply, or a forced call after a forced
+        apply). A forced call after a default apply upgrades it and returns
+        True. To go back from forced to default, call :func:`remove_patch` first.
+
+    Raises:
+        CompassCompatError: a hook is missing (mlx-vlm is left exactly as found)
+            or forcing could not make the vendored package live. Any error
+            midway undoes what this call did and propagates.
+    """
+    if force_vendored is None:
+        force, source = _force_from_env()
+    else:
+        force, source = bool(force_vendored), f"apply_patch(force_vendored={force_vendored})"
+    with _LOCK:
+        if _STATE.applied and (_STATE.forced or not force):
+            return False
+        hooks = _find_hooks()
+        upstream = _upstream_spec(hooks.models, hooks.vendor) is not None
+        steps: List[_Undo] = []
+        try:
+            _append_path(hooks.mlx_vlm, "mlx_vlm", hooks.vendor / "mlx_vlm", steps)
+            _append_path(hooks.models, "mlx_vlm.models", hooks.vendor / "mlx_vlm" / "models", steps)
+            if force:
+                _make_vendored_live(hooks, steps)
+            _register_message_format(hooks, overwrite=force, undo=steps)
+            # Where upstream's package is live (mlx-vlm >= 0.6.13, not forced) its
+            # own processing module registers its processor: leave that path alone.
+            hook = force or not upstream
+            if hook:
+                _install_processor_hook(hooks, steps)
+        except BaseException:
+            _run_undo(steps, hooks.version)
+            raise
+        _STATE.undo.extend(steps)
+        _STATE.applied = True
+        _STATE.forced = force
+        _STATE.force_source = source if force else ""
+        _STATE.processor_hook = _STATE.processor_hook or hook
+        return True
+
+
+def remove_patch() -> bool:
+    """Undo :func:`apply_patch` (meant for tests and pin-bump checks).
+
+    Restores ``__path__``, ``MODEL_CONFIG``, ``AutoProcessor.from_pretrained``
+    and any upstream modules a forced apply purged, and drops the vendored
+    modules from ``sys.modules``. Returns False if nothing was applied.
+    """
+    with _LOCK:
+        if not _STATE.applied:
+            return False
+        version = _mlx_vlm_version()
+        steps, _STATE.undo = _STATE.undo, []
+        _STATE.applied, _STATE.forced, _STATE.force_source = False, False, ""
+        _STATE.processor_hook = False
+        _run_undo(steps, version)
+        _forget_vendored_modules()
+        return True
+
+
+def _forget_vendored_modules() -> None:
+    """Drop vendored modules (and their attributes on the parent package)."""
+    root = vendor_root()
+    for name, module in list(sys.modules.items()):
+        if not (name.startswith("mlx_vlm.") and _within(getattr(module, "__file__", None), root)):
+            continue
+        del sys.modules[name]
+        parent_name, _, child = name.rpartition(".")
+        parent = sys.modules.get(parent_name)
+        if parent is not None and vars(parent).get(child) is module:
+            delattr(parent, child)
+
+
+def implementation_info() -> ImplementationInfo:
+    """Report which ``cohere_compass`` implementation mlx-vlm gets, and why."""
+    import mlx_vlm.models as models
+
+    with _LOCK:
+        version = _mlx_vlm_version()
+        root = vendor_root()
+        upstream = _upstream_spec(models, root) is not None
+        live = sys.modules.get(PACKAGE)
+        if live is not None:
+            file = getattr(live, "__file__", None)
+        else:
+            spec = importlib.machinery.PathFinder.find_spec(PACKAGE, list(getattr(models, "__path__", [])))
+            file = spec.origin if spec is not None else None
+        if file is None:
+            kind = "none"
+        elif _within(file, root):
+            kind = "vendored"
+        else:
+            kind = "upstream"
+        applied, forced, source = _STATE.applied, _STATE.forced, _STATE.force_source
+
+    if kind == "vendored" and forced:
+        reason = f"forced by {source}" + (
+            f"; it replaces the cohere_compass mlx-vlm {version} ships" if upstream else ""
+        )
+    elif kind == "vendored":
+        reason = (
+            f"mlx-vlm {version} ships no cohere_compass; the vendored package resolves "
+            "through the directory appended to mlx_vlm.models.__path__"
+        )
+    elif kind == "upstream" and applied and not forced:
+        reason = (
+            f"mlx-vlm {version} ships its own cohere_compass, which wins by default; "
+            f"set {FORCE_ENV}=1 or call apply_patch(force_vendored=True) to use the vendored copy"
+        )
+    elif kind == "upstream":
+        reason = f"mlx-vlm {version}'s own cohere_compass" + (
+            " (compass-compat is not applied)"
+            if not applied
+            else " although forcing was requested: the vendored module was dropped from sys.modules"
+        )
+    else:
+        reason = f"mlx-vlm {version} ships no cohere_compass and compass-compat is not applied"
+    return ImplementationInfo(
+        implementation=kind,
+        file=file,
+        loaded=live is not None,
+        patched=applied,
+        forced=forced,
+        upstream_available=upstream,
+        mlx_vlm_version=version,
+        vendor_dir=str(root),
+        reason=reason,
+    )

@@ -1,0 +1,367 @@
+"""A tiny, deterministic cohere_compass checkpoint for tests (no torch, no network).
+
+``build_tiny_checkpoint(path)`` writes a complete checkpoint folder: config.json,
+preprocessor_config.json, generation_config.json, the committed tiny tokenizer
+(``compass_compat/data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``) with its
+chat template, and model.safetensors in either weight layout:
+
+- ``"original"``: CohereLabs key names (``model.language_model.*``, ``model.visual.*``), the
+  Conv3d patch embedding in torch layout ``[O, C, T, P, P]``, no ``lm_head`` (tied);
+- ``"mlx"``: MLX-conversion key names (``language_model.model.*``, ``vision_tower.*``), the
+  Conv3d weight in MLX layout ``[O, T, P, P, C]``.
+
+Both hold the same values. Weights are drawn from numpy's PCG64 (``default_rng``) as uniform
+noise of a chosen standard deviation, using only IEEE-exact arithmetic, and written by a small
+safetensors writer of our own, so the files are byte-identical on every machine and with every
+safetensors version. ``weights_sha256`` fingerprints the values independently of layout and
+storage dtype; the reference fixtures record it so that drift is detected.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import pathlib
+import shutil
+import struct
+import zlib
+from typing import Dict, Iterator, Mapping, Tuple
+
+import numpy as np
+
+TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "data" / "tiny_tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+LAYOUTS = ("original", "mlx")
+DTYPES = ("float32", "bfloat16")
+VARIANTS = ("default", "small_max_pixels")
+
+# Key prefixes of the two layouts (original -> mlx).
+PREFIXES = (("model.language_model.", "language_model.model."), ("model.visual.", "vision_tower."))
+PATCH_EMBED = "model.visual.patch_embed.proj.weight"
+
+TEXT = dict(
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    sliding_window=16,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+    logit_scale=0.25,
+    layer_norm_eps=1e-5,
+)
+VISION = dict(
+    depth=4,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 2, 3],
+    in_channels=3,
+)
+
+
+# --------------------------------------------------------------------------- tokenizer ids
+def special_token_ids() -> Dict[str, int]:
+    """Ids of the tiny tokenizer's special tokens, read from the committed tokenizer.json."""
+    data = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    return {t["content"]: t["id"] for t in data["added_tokens"]}
+
+
+def tokenizer_vocab_size() -> int:
+    data = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data["added_tokens"]]
+    return max(ids) + 1
+
+
+# --------------------------------------------------------------------------- configs
+def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
+    """The config.json of the tiny checkpoint."""
+    _check("variant", variant, VARIANTS)
+    ids = special_token_ids()
+    eos, pad, bos = ids["<|END_OF_TURN_TOKEN|>"], ids["<PAD>"], ids["<BOS_TOKEN>"]
+    text = dict(
+        model_type="cohere_compass_text",
+        vocab_size=tokenizer_vocab_size(),
+        **copy.deepcopy(TEXT),
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_parameters={
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": 50000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            "full_attention": None,
+            # Stray entry, as in the published hub config; the reference drops it.
+            "rope_theta": 10000.0,
+        },
+        tie_word_embeddings=True,
+        use_cache=True,
+        initializer_range=0.02,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        compass_compat_unknown_text_key="loaders must ignore this",
+    )
+    vision = dict(
+        model_type="cohere_compass_vision",
+        **copy.deepcopy(VISION),
+        hidden_act="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+        initializer_range=0.02,
+        compass_compat_unknown_vision_key=[1, 2, 3],
+    )
+    return dict(
+        architectures=["CohereCompassForConditionalGeneration"],
+        model_type="cohere_compass",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|IMAGE_PAD|>"],
+        video_token_id=ids["<|VIDEO_PAD|>"],
+        vision_start_token_id=ids["<|VISION_START|>"],
+        vision_end_token_id=ids["<|VISION_END|>"],
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype=dtype,
+        fusion_config={"patch_embeddings": True},
+        compass_compat_unknown_top_key={"nested": {"ignored": True}},
+    )
+
+
+def tiny_preprocessor_config(variant: str = "default") -> dict:
+    """preprocessor_config.json; values differ from the published defaults on purpose."""
+    _check("variant", variant, VARIANTS)
+    longest = 65536 if variant == "small_max_pixels" else 602112
+    return dict(
+        image_processor_type="CohereCompassImageProcessor",
+        processor_class="CohereCompassProcessor",
+        do_convert_rgb=True,
+        do_resize=True,
+        resample=3,
+        size={"shortest_edge": 16384, "longest_edge": longest},
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.48, 0.46, 0.41],
+        image_std=[0.27, 0.26, 0.28],
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+
+
+def tiny_generation_config() -> dict:
+    ids = special_token_ids()
+    return dict(
+        bos_token_id=ids["<BOS_TOKEN>"],
+        eos_token_id=ids["<|END_OF_TURN_TOKEN|>"],
+        pad_token_id=ids["<PAD>"],
+        do_sample=False,
+    )
+
+
+# --------------------------------------------------------------------------- weights
+def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
+    """(original-layout key, shape, kind, scale) of every tensor, in a fixed order.
+
+    kind "noise": uniform noise with standard deviation ``scale``; "norm": ``1 + noise``.
+    Scales keep activations O(1) while attention is far from uniform and greedy argmax is
+    decisive, yet small enough that float32 summation-order noise stays well below the 1e-4
+    logit tolerance at image positions (measured against the reference by scripts/record_reference.py).
+    """
+    t, v = TEXT, VISION
+    d, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    hd, inter = d // heads, t["intermediate_size"]
+    lm = "model.language_model."
+    yield lm + "embed_tokens.weight", (tokenizer_vocab_size(), d), "noise", 1.2
+    for i in range(t["num_hidden_layers"]):
+        p = f"{lm}layers.{i}."
+        yield p + "input_layernorm.weight", (d,), "norm", 0.1
+        yield p + "self_attn.q_proj.weight", (heads * hd, d), "noise", 0.2
+        yield p + "self_attn.k_proj.weight", (kv * hd, d), "noise", 0.2
+        yield p + "self_attn.v_proj.weight", (kv * hd, d), "noise", 0.15
+        yield p + "self_attn.o_proj.weight", (d, heads * hd), "noise", 0.18
+        yield p + "mlp.gate_proj.weight", (inter, d), "noise", 0.15
+        yield p + "mlp.up_proj.weight", (inter, d), "noise", 0.15
+        yield p + "mlp.down_proj.weight", (d, inter), "noise", 0.18
+    yield lm + "norm.weight", (d,), "norm", 0.1
+
+    vd, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+    merged = vd * v["spatial_merge_size"] ** 2
+    vis = "model.visual."
+    patch = (vd, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
+    yield vis + "patch_embed.proj.weight", patch, "noise", 0.03
+    yield vis + "patch_embed.proj.bias", (vd,), "noise", 0.1
+    yield vis + "pos_embed.weight", (v["num_position_embeddings"], vd), "noise", 0.5
+    for i in range(v["depth"]):
+        p = f"{vis}blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            yield p + norm + ".weight", (vd,), "norm", 0.1
+            yield p + norm + ".bias", (vd,), "noise", 0.05
+        yield p + "attn.qkv.weight", (3 * vd, vd), "noise", 0.12
+        yield p + "attn.qkv.bias", (3 * vd,), "noise", 0.05
+        yield p + "attn.proj.weight", (vd, vd), "noise", 0.15
+        yield p + "attn.proj.bias", (vd,), "noise", 0.05
+        yield p + "mlp.linear_fc1.weight", (vi, vd), "noise", 0.12
+        yield p + "mlp.linear_fc1.bias", (vi,), "noise", 0.05
+        yield p + "mlp.linear_fc2.weight", (vd, vi), "noise", 0.12
+        yield p + "mlp.linear_fc2.bias", (vd,), "noise", 0.05
+    mergers = [("merger.", vd)] + [
+        (f"deepstack_merger_list.{k}.", merged) for k in range(len(v["deepstack_visual_indexes"]))
+    ]
+    for p, norm_dim in mergers:
+        yield vis + p + "norm.weight", (norm_dim,), "norm", 0.1
+        yield vis + p + "norm.bias", (norm_dim,), "noise", 0.05
+        yield vis + p + "linear_fc1.weight", (merged, merged), "noise", 0.1
+        yield vis + p + "linear_fc1.bias", (merged,), "noise", 0.05
+        yield vis + p + "linear_fc2.weight", (out, merged), "noise", 0.1
+        yield vis + p + "linear_fc2.bias", (out,), "noise", 0.05
+
+
+def _uniform_noise(seed: int, key: str, shape: Tuple[int, ...], std: float) -> np.ndarray:
+    # One stream per tensor (seeded by the key's CRC32), so adding a tensor changes no other.
+    # Uniform noise needs only IEEE-exact arithmetic: identical float32 values everywhere.
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode("utf-8"))])
+    u = rng.random(int(np.prod(shape)), dtype=np.float64)
+    return ((u * 2.0 - 1.0) * (std * math.sqrt(3.0))).astype(np.float32).reshape(shape)
+
+
+def tiny_weights(seed: int = 0) -> Dict[str, np.ndarray]:
+    """Float32 weights of the tiny model in the original (CohereLabs) layout."""
+    weights = {}
+    for key, shape, kind, scale in _weight_specs():
+        w = _uniform_noise(seed, key, shape, scale)
+        weights[key] = (w + np.float32(1.0)) if kind == "norm" else w
+    # A small end-of-turn row keeps it from winning the greedy argmax (the head is tied),
+    # so generation through mlx-vlm, which stops there, runs the full 32 tokens.
+    embed = weights["model.language_model.embed_tokens.weight"]
+    embed[special_token_ids()["<|END_OF_TURN_TOKEN|>"]] *= np.float32(0.25)
+    return weights
+
+
+def to_mlx_layout(weights: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Rename original-layout keys to the MLX-conversion layout; Conv3d to [O, T, P, P, C]."""
+    out = {}
+    for key, value in weights.items():
+        if key == PATCH_EMBED:
+            value = np.ascontiguousarray(value.transpose(0, 2, 3, 4, 1))
+        for src, dst in PREFIXES:
+            if key.startswith(src):
+                key = key.replace(src, dst, 1)
+                break
+        out[key] = value
+    return out
+
+
+def from_mlx_layout(weights: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Inverse of :func:`to_mlx_layout`."""
+    out = {}
+    for key, value in weights.items():
+        for src, dst in PREFIXES:
+            if key.startswith(dst):
+                key = key.replace(dst, src, 1)
+                break
+        if key == PATCH_EMBED:
+            value = np.ascontiguousarray(value.transpose(0, 4, 1, 2, 3))
+        out[key] = value
+    return out
+
+
+def weights_sha256(weights: Mapping[str, np.ndarray]) -> str:
+    """Fingerprint of original-layout float32 values (name, shape and bytes of every tensor)."""
+    h = hashlib.sha256()
+    for key in sorted(weights):
+        value = np.ascontiguousarray(np.asarray(weights[key], dtype=np.float32))
+        h.update(f"{key}|{list(value.shape)}|".encode("utf-8"))
+        h.update(value.astype("<f4").tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- safetensors
+def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even (finite inputs)."""
+    bits = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).astype("<u2")
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype="<u2").astype("<u4") << 16).view("<f4")
+
+
+def save_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray], dtype: str = "float32") -> None:
+    """Write a safetensors file (8-byte header size, JSON header, raw little-endian data).
+
+    Tensors are laid out in sorted key order. ``dtype="bfloat16"`` rounds the float32 values.
+    """
+    _check("dtype", dtype, DTYPES)
+    header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
+    chunks, offset = [], 0
+    for key in sorted(tensors):
+        value = np.asarray(tensors[key], dtype=np.float32)
+        data = to_bfloat16_bits(value) if dtype == "bfloat16" else value.astype("<f4")
+        raw = np.ascontiguousarray(data).tobytes()
+        header[key] = {
+            "dtype": "BF16" if dtype == "bfloat16" else "F32",
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        chunks.append(raw)
+        offset += len(raw)
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for raw in chunks:
+            f.write(raw)
+
+
+# --------------------------------------------------------------------------- builder
+def build_tiny_checkpoint(
+    path,
+    *,
+    layout: str = "original",
+    dtype: str = "float32",
+    seed: int = 0,
+    variant: str = "default",
+) -> pathlib.Path:
+    """Write the tiny checkpoint folder at ``path`` (created if needed) and return it."""
+    _check("layout", layout, LAYOUTS)
+    _check("dtype", dtype, DTYPES)
+    _check("variant", variant, VARIANTS)
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    def dump(name: str, obj: dict) -> None:
+        (path / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+    dump("config.json", tiny_config(variant, dtype))
+    dump("preprocessor_config.json", tiny_preprocessor_config(variant))
+    dump("generation_config.json", tiny_generation_config())
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_DIR / name, path / name)
+
+    weights = tiny_weights(seed)
+    if layout == "mlx":
+        weights = to_mlx_layout(weights)
+    save_safetensors(path / "model.safetensors", weights, dtype)
+    return path
+
+
+def _check(name: str, value: str, allowed: Tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Run the whole test suite in every mlx-vlm pin environment and print a table.
+#
+# Usage: scripts/run_matrix.sh [PIN ...]      (default: every pin in scripts/pins.sh)
+#
+# - Creates or updates .venvs/mlxvlm-<pin> first (scripts/make_envs.sh, idempotent).
+# - Runs `python -m pytest tests -q` in each env from the repo root; junit XML and the
+#   full log of each run go to build/matrix/<run>.{xml,log}.
+# - A pin whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
+#   twice: "<pin>" as users get it (upstream wins) and "<pin>+forced" with
+#   COMPASS_COMPAT_FORCE_VENDORED=1, where the vendored model is the live one.
+# - Exits non-zero if any environment could not be built or any run failed; pytest's
+#   exit code 5 (no tests collected) counts as a failure.
+# Extra pytest arguments: MATRIX_PYTEST_ARGS="-x -k shim" scripts/run_matrix.sh
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=scripts/pins.sh
+source "$root/scripts/pins.sh"
+pins=("$@")
+[ ${#pins[@]} -gt 0 ] || pins=("${ALL_PINS[@]}")
+out="$root/build/matrix"
+mkdir -p "$out"
+matrix_start=$(date +%s)
+
+rows=()      # "run|mlx-vlm|passed|failed|skipped|seconds|status"
+failed_runs=0
+total_passed=0; total_failed=0; total_skipped=0
+
+summarize() {  # junit xml -> "tests failures errors skipped"
+  "$1" - "$2" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+print(*(sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")))
+EOF
+}
+
+for pin in "${pins[@]}"; do
+  env="$root/.venvs/mlxvlm-$pin"
+  if ! bash "$root/scripts/make_envs.sh" "$pin"; then
+    echo "[matrix] mlx-vlm $pin: environment could not be built" >&2
+    rows+=("$pin|$pin|-|-|-|-|ENV FAILED"); failed_runs=$((failed_runs + 1)); continue
+  fi
+  py="$env/bin/python"
+  runs=("$pin|0")
+  # Upstream ships cohere_compass on this pin: also run with the vendored copy forced.
+  if compgen -G "$env/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
+    runs+=("$pin+forced|1")
+  fi
+  for run in "${runs[@]}"; do
+    label="${run%|*}"; force="${run#*|}"
+    xml="$out/$label.xml"; log="$out/$label.log"
+    rm -f "$xml"
+    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED="$force" "$py" -m pytest tests -q \
+        --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - start ))
+    passed=0; failed=0; skipped=0
+    if [ -f "$xml" ]; then
+      read -r tests failures errors skips < <(summarize "$py" "$xml")
+      failed=$((failures + errors)); skipped=$skips; passed=$((tests - failed - skipped))
+    fi
+    case $rc in
+      0) status=ok ;;
+      5) status="FAILED (no tests collected)" ;;
+      *) status="FAILED (pytest exit $rc)" ;;
+    esac
+    if [ $rc -ne 0 ]; then
+      failed_runs=$((failed_runs + 1))
+      echo "[matrix] $label: $status; last lines of $log:"
+      tail -n 40 "$log" | sed 's/^/    /'
+    else
+      tail -n 1 "$log" | sed "s/^/[matrix] $label: /"
+    fi
+    version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx-vlm'))" 2>/dev/null || echo "?")
+    rows+=("$label|$version|$passed|$failed|$skipped|$seconds|$status")
+    total_passed=$((total_passed + passed)); total_failed=$((total_failed + failed))
+    total_skipped=$((total_skipped + skipped))
+  done
+done
+
+wall=$(( $(date +%s) - matrix_start ))
+echo
+printf '%-16s %-9s %7s %7s %8s %8s  %s\n' run mlx-vlm passed failed skipped seconds status
+for row in "${rows[@]}"; do
+  IFS='|' read -r label version passed failed skipped seconds status <<<"$row"
+  printf '%-16s %-9s %7s %7s %8s %8s  %s\n' "$label" "$version" "$passed" "$failed" "$skipped" "$seconds" "$status"
+done
+echo "[matrix] wall time ${wall}s (environments included); logs in build/matrix/"
+if [ $failed_runs -gt 0 ] && [ $total_failed -eq 0 ]; then
+  total_failed=$failed_runs  # a run that failed without failing tests (no tests, crash, env)
+fi
+echo "matrix: $total_passed passed, $total_failed failed, $total_skipped skipped"
+[ $failed_runs -eq 0 ]

@@ -1,0 +1,73 @@
+"""Shared fixtures: the tiny checkpoint in both layouts, the recorded reference, the test images."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from compass_compat.tiny import build_tiny_checkpoint
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+REFERENCE_DIR = FIXTURES / "reference"
+IMAGES_DIR = FIXTURES / "images"
+
+
+def unpack_pixel_values(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """[N, 3*2*P*P] float32 pixel_values from the packed form of scripts/record_reference.py."""
+    n = codes.shape[0]
+    frame0 = np.take_along_axis(levels[None, :, None, :], codes.reshape(n, 3, 1, -1).astype(np.intp), axis=-1)
+    return np.repeat(frame0, 2, axis=2).reshape(n, -1)
+
+
+class ReferenceFixtures:
+    """``reference("img_448")`` -> dict of read-only numpy arrays plus ``"meta"`` (its index entry).
+
+    Arrays: input_ids, prefill_logits, greedy_ids, greedy_logits; image cases also pixel_values,
+    image_grid_thw, mm_token_type_ids, position_ids, rope_deltas, image_features,
+    deepstack_features. ``reference.index`` is index.json; ``reference.cases`` the case names.
+    """
+
+    def __init__(self, directory: pathlib.Path = REFERENCE_DIR):
+        self.directory = directory
+        self.index = json.loads((directory / "index.json").read_text(encoding="utf-8"))
+        self.cases = list(self.index["cases"])
+
+    @functools.lru_cache(maxsize=None)
+    def _arrays(self, name: str) -> dict:
+        arrays = load_file(str(self.directory / self.index["cases"][name]["file"]))
+        if "pixel_values_codes" in arrays:
+            arrays["pixel_values"] = unpack_pixel_values(
+                arrays.pop("pixel_values_codes"), arrays.pop("pixel_values_levels")
+            )
+        for value in arrays.values():
+            value.flags.writeable = False
+        return arrays
+
+    def __call__(self, name: str) -> dict:
+        return {**self._arrays(name), "meta": self.index["cases"][name]}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_original(tmp_path_factory) -> pathlib.Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_original"), layout="original")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_mlx(tmp_path_factory) -> pathlib.Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mlx"), layout="mlx")
+
+
+@pytest.fixture(scope="session")
+def reference() -> ReferenceFixtures:
+    return ReferenceFixtures()
+
+
+@pytest.fixture(scope="session")
+def fixture_images() -> dict:
+    """File name -> path of the synthetic PNGs the reference cases use."""
+    return {p.name: p for p in sorted(IMAGES_DIR.glob("*.png"))}
