@@ -97,8 +97,27 @@ The image is four hundred and forty eight pixels wide and four hundred and forty
 """
 
 
+def ascii_alphabet() -> list:
+    """ByteLevel symbols of printable ASCII, tab and newline only.
+
+    With no symbol for bytes >= 0x80, every token decodes to complete UTF-8, so the
+    random model's greedy output can be streamed by any mlx-vlm detokenizer
+    (0.4.x's BPE streaming detokenizer raises on a lone continuation byte).
+    """
+    symbols = pre_tokenizers.ByteLevel.alphabet()
+    ascii_bytes = [9, 10] + list(range(32, 127))
+    mapped = Tokenizer(models.BPE())
+    mapped.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    out = []
+    for b in ascii_bytes:
+        piece = mapped.pre_tokenizer.pre_tokenize_str(chr(b))[0][0]
+        assert piece in symbols
+        out.append(piece)
+    return out
+
+
 def build() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(models.BPE(unk_token="<UNK>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -106,7 +125,8 @@ def build() -> Tokenizer:
         min_frequency=1,
         show_progress=False,
         special_tokens=LEADING_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=ascii_alphabet(),
+        limit_alphabet=len(ascii_alphabet()),
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     tok.add_special_tokens(TRAILING_SPECIALS)
