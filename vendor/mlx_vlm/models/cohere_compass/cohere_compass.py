@@ -11,6 +11,7 @@ import numpy as np
 
 from .config import ModelConfig, grid_sequence
 from .language import LanguageModel, get_rope_index
+from .processing_cohere_compass import GRID_MEMO
 from .vision import VisionModel
 
 # Keys of the dict returned by Model.encode_image (safetensors-friendly).
@@ -72,30 +73,30 @@ class Model(nn.Module):
             :func:`concat_image_features`.
         """
         if image_grid_thw is None:
+            # mlx-vlm 0.4.x-0.6.x call encode_image(pixel_values) with no grid.
+            image_grid_thw = GRID_MEMO.recall(pixel_values)
+        if image_grid_thw is None:
             raise ValueError(
                 "cohere_compass.encode_image needs image_grid_thw (the processor returns it "
                 "next to pixel_values): the patch grid cannot be recovered from pixels alone"
             )
-        grid = mx.array(np.asarray(image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else image_grid_thw, dtype=np.int32).reshape(-1, 3))
+        grid = mx.array(np.asarray(image_grid_thw, dtype=np.int32).reshape(-1, 3))
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
         stacked = mx.stack(deepstack) if deepstack else mx.zeros((0,) + features.shape, features.dtype)
         return {FEATURES: features, DEEPSTACK: stacked, GRID: grid}
 
-    def _check_features(self, cached: Dict[str, mx.array], image_grid_thw) -> None:
+    def encode_images(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs) -> Dict[str, mx.array]:
+        """mlx-vlm 0.7.x's name for :meth:`encode_image` (grid passed as a keyword)."""
+        return self.encode_image(pixel_values, image_grid_thw)
+
+    @staticmethod
+    def _check_features(cached: Dict[str, mx.array]) -> None:
         if not isinstance(cached, dict) or FEATURES not in cached or DEEPSTACK not in cached:
             raise ValueError(
                 "cached_image_features must be the dict returned by Model.encode_image "
                 f"(keys {FEATURES!r}, {DEEPSTACK!r}, {GRID!r})"
             )
-        if image_grid_thw is not None and GRID in cached:
-            mine = np.asarray(cached[GRID]).reshape(-1, 3).tolist()
-            theirs = np.asarray(image_grid_thw).reshape(-1, 3).tolist()
-            if mine != theirs:
-                raise ValueError(
-                    f"cached_image_features were encoded for image grids {mine} but the "
-                    f"prompt's images have grids {theirs}; re-encode the images"
-                )
 
     def get_input_embeddings(
         self,
@@ -117,7 +118,7 @@ class Model(nn.Module):
             return CompassEmbeddings(inputs_embeds=embeds, attention_mask=mask)
 
         if cached_image_features is not None:
-            self._check_features(cached_image_features, image_grid_thw)
+            self._check_features(cached_image_features)
             encoded = cached_image_features
             if image_grid_thw is None:
                 image_grid_thw = encoded.get(GRID)
@@ -134,12 +135,20 @@ class Model(nn.Module):
             is_image = ids == self.config.image_token_id
         flat = np.nonzero(is_image.reshape(-1))[0]
         if len(flat) != features.shape[0]:
-            n_images = len(merged_tokens_per_image(image_grid_thw, self._merge))
             raise ValueError(
                 f"Image features and image tokens do not match: the prompt has {len(flat)} "
-                f"image tokens but the {n_images} image(s) give {features.shape[0]} features. "
-                "Each image needs exactly one image placeholder, expanded by the processor."
+                f"image tokens but the image features cover {features.shape[0]} tokens. "
+                "Each image needs exactly one image placeholder, expanded by the processor, "
+                "and replayed features must come from the same images."
             )
+        if GRID in encoded and image_grid_thw is not None:
+            encoded_grid = np.asarray(encoded[GRID]).reshape(-1, 3).tolist()
+            prompt_grid = np.asarray(image_grid_thw).reshape(-1, 3).tolist()
+            if encoded_grid != prompt_grid:
+                raise ValueError(
+                    f"cached_image_features were encoded for image grids {encoded_grid} but the "
+                    f"prompt's images have grids {prompt_grid}; re-encode the images"
+                )
         B, L, D = embeds.shape
         where = mx.array(flat.astype(np.uint32))
         merged = embeds.reshape(B * L, D)

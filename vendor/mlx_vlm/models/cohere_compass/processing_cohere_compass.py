@@ -41,6 +41,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import hashlib
+import threading
+from collections import OrderedDict
+
 import numpy as np
 from PIL import Image, ImageOps
 from transformers.feature_extraction_utils import BatchFeature
@@ -380,10 +384,47 @@ class CohereCompassImageProcessor(BaseImageProcessor):
             "pixel_values": np.concatenate(rows, axis=0),
             "image_grid_thw": np.asarray(grids, dtype=np.int64),
         }
+        GRID_MEMO.remember(data["pixel_values"], data["image_grid_thw"])
         return _batch(data, return_tensors)
 
     def __call__(self, images, return_tensors=None, **overrides) -> BatchFeature:
         return self.preprocess(images, return_tensors=return_tensors, **overrides)
+
+
+class GridMemo:
+    """Patch grids of recently processed pixel_values, looked up by content.
+
+    mlx-vlm 0.4.x-0.6.x fill their vision cache with ``model.encode_image(pixel_values)``
+    and pass no grid, which the pixels alone cannot determine; the processor that
+    made those pixels remembers it here. Bounded; thread-safe.
+    """
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._grids: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(pixel_values) -> str:
+        array = np.ascontiguousarray(np.asarray(pixel_values, dtype=np.float32))
+        digest = hashlib.sha1(array.tobytes()).hexdigest()
+        return f"{array.shape}:{digest}"
+
+    def remember(self, pixel_values, grid) -> None:
+        key = self.key(pixel_values)
+        with self._lock:
+            self._grids[key] = np.asarray(grid, dtype=np.int64).reshape(-1, 3)
+            self._grids.move_to_end(key)
+            while len(self._grids) > self.capacity:
+                self._grids.popitem(last=False)
+
+    def recall(self, pixel_values) -> Optional[np.ndarray]:
+        key = self.key(pixel_values)
+        with self._lock:
+            return self._grids.get(key)
+
+
+GRID_MEMO = GridMemo()
 
 
 def _read_json(path: Path) -> Optional[dict]:

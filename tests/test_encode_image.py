@@ -1,0 +1,146 @@
+"""Public encode_image and exact replay of cached vision features (host feature caches)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from parity import image_kwargs
+from vendored import vendored
+
+compass = vendored("cohere_compass")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt_original):
+    from mlx_vlm.utils import load_model
+
+    return load_model(tiny_ckpt_original)
+
+
+def logits(model, case, **kw):
+    kw = {**image_kwargs(case), **kw}
+    pixel_values = kw.pop("pixel_values") if "cached_image_features" not in kw else None
+    kw.pop("pixel_values", None)
+    out = model(mx.array(case["input_ids"]), pixel_values, cache=model.language_model.make_cache(), **kw)
+    return out.logits
+
+
+def encode(model, case):
+    return model.encode_image(mx.array(case["pixel_values"]), case["image_grid_thw"])
+
+
+@pytest.mark.parametrize("name", ["img_448", "img_two"])
+def test_replay_gives_bit_identical_logits(model, reference, name):
+    case = reference(name)
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=encode(model, case)))
+
+
+def test_images_encoded_separately_then_concatenated(model, reference):
+    case = reference("img_two")
+    grid = case["image_grid_thw"]
+    patches = [int(np.prod(g)) for g in grid]
+    pv = case["pixel_values"]
+    parts = [
+        model.encode_image(mx.array(pv[: patches[0]]), grid[:1]),
+        model.encode_image(mx.array(pv[patches[0]:]), grid[1:]),
+    ]
+    joined = compass.concat_image_features(parts)
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=joined))
+    # split -> concat round trip is the identity
+    again = compass.concat_image_features(compass.split_image_features(joined, merge_size=2))
+    assert all(mx.array_equal(again[k], joined[k]) for k in joined)
+
+
+def test_deepstack_is_part_of_the_replay(model, reference):
+    """Dropping the deepstack features from a replay changes the logits (so the test above has teeth)."""
+    case = reference("img_448")
+    enc = encode(model, case)
+    dropped = dict(enc, deepstack_features=mx.zeros_like(enc["deepstack_features"]))
+    assert not mx.array_equal(logits(model, case), logits(model, case, cached_image_features=dropped))
+
+
+def test_replay_after_safetensors_round_trip(model, reference, tmp_path):
+    case = reference("img_two")
+    enc = encode(model, case)
+    path = str(tmp_path / "features.safetensors")
+    mx.save_safetensors(path, enc)
+    loaded = mx.load(path)
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=loaded))
+
+
+def test_greedy_generation_with_replayed_features(model, reference):
+    case = reference("img_501x379")
+    enc = encode(model, case)
+
+    def run(**kw):
+        cache = model.language_model.make_cache()
+        kw = {**image_kwargs(case), **kw}
+        pv = None if "cached_image_features" in kw else kw["pixel_values"]
+        kw.pop("pixel_values")
+        y = int(mx.argmax(model(mx.array(case["input_ids"]), pv, cache=cache, **kw).logits[0, -1]).item())
+        ids = [y]
+        for _ in range(31):
+            y = int(mx.argmax(model.language_model(mx.array([[y]]), cache=cache).logits[0, -1]).item())
+            ids.append(y)
+        return ids
+
+    uncached = run()
+    assert uncached == run(cached_image_features=enc) == case["greedy_ids"].tolist()
+
+
+def test_mismatched_replay_raises_the_count_error(model, reference):
+    small, big = reference("img_448"), reference("img_640x480")
+    with pytest.raises(ValueError, match="the prompt has 300 image tokens but the image features cover 196"):
+        logits(model, big, cached_image_features=encode(model, small))
+
+
+def test_same_count_different_grid_is_refused(model, reference):
+    case = reference("img_448")
+    enc = dict(encode(model, case), image_grid_thw=mx.array([[1, 56, 14]]))
+    with pytest.raises(ValueError, match="re-encode"):
+        logits(model, case, cached_image_features=enc)
+
+
+def test_encode_image_without_grid_uses_the_processors_memo(model, reference, tiny_ckpt_original, fixture_images):
+    """mlx-vlm 0.4.x-0.6.x call encode_image(pixel_values) with no grid."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(tiny_ckpt_original))
+    out = processor.image_processor([str(fixture_images["synth_640x480.png"])])
+    with_grid = model.encode_image(mx.array(out["pixel_values"]), out["image_grid_thw"])
+    without = model.encode_image(mx.array(out["pixel_values"]))
+    assert all(mx.array_equal(with_grid[k], without[k]) for k in with_grid)
+    with pytest.raises(ValueError, match="needs image_grid_thw"):
+        model.encode_image(mx.array(out["pixel_values"]) + 1.0)
+
+
+def test_mlx_vlm_vision_cache_path(tiny_ckpt_original, reference, fixture_images):
+    """Through the pin's own vision-feature cache (mlx-vlm >= 0.4): a repeated image is replayed."""
+    import mlx_vlm
+
+    if not hasattr(mlx_vlm, "VisionFeatureCache"):
+        pytest.skip(f"mlx-vlm {mlx_vlm.__version__} has no VisionFeatureCache (added in 0.4)")
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(tiny_ckpt_original))
+    case = reference("img_448")
+    image = str(fixture_images["synth_448x448.png"])
+    cache = mlx_vlm.VisionFeatureCache()
+    calls = []
+    original = model.vision_tower.__call__
+
+    class Counting(type(model.vision_tower)):
+        def __call__(self, *a, **k):
+            calls.append(1)
+            return original(*a, **k)
+
+    model.vision_tower.__class__ = Counting
+    runs = []
+    for _ in range(2):
+        seen = {}
+        for r in stream_generate(model, processor, case["meta"]["prompt"], image=[image], max_tokens=16,
+                                 temperature=0.0, vision_cache=cache):
+            seen.setdefault(r.generation_tokens, int(r.token))
+        runs.append([seen[k] for k in sorted(seen)])
+    assert runs[0] == runs[1] == case["greedy_ids"].tolist()[:16]
+    assert len(calls) == 1, "the second run should replay cached features, not run the tower"
