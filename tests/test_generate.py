@@ -70,3 +70,13 @@ def test_chat_template_path_renders_the_reference_prompt(loaded, reference):
         text = user if isinstance(user, str) else next(p["text"] for p in user if p["type"] == "text")
         prompt = apply_chat_template(processor, model.config, text, num_images=len(meta["images"]))
         assert prompt == meta["prompt"], name
+
+
+def test_loaded_processor_honours_preprocessor_config(loaded, tiny_ckpt_original):
+    """mlx-vlm's load keeps the checkpoint's preprocessor_config.json (the tiny one is non-default)."""
+    import json
+
+    want = json.loads((tiny_ckpt_original / "preprocessor_config.json").read_text())
+    ip = loaded[1].image_processor
+    assert list(ip.image_mean) == want["image_mean"] and list(ip.image_std) == want["image_std"]
+    assert (ip.min_pixels, ip.max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
