@@ -229,6 +229,7 @@ class LanguageModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logit_scale = config.logit_scale
         self._rope_deltas: Optional[mx.array] = None
+        self._delta_memo: Tuple[Optional[mx.array], int] = (None, 0)
         self._positions_source: Optional[mx.array] = None
         self._positions_base = 0
 
@@ -243,6 +244,16 @@ class LanguageModel(nn.Module):
             else KVCache()
             for layer in self.model.layers
         ]
+
+    def _scalar_delta(self) -> Optional[int]:
+        """The single rope delta as a Python int, read from the device once per sequence
+        (not once per decode step); None when rows have different deltas."""
+        delta = self._rope_deltas
+        if delta is None or delta.size != 1:
+            return None
+        if self._delta_memo[0] is not delta:
+            self._delta_memo = (delta, int(delta.reshape(-1)[0].item()))
+        return self._delta_memo[1]
 
     def _chunk_start(self, full: mx.array, L: int, offset: int) -> int:
         # mlx-vlm >= 0.4 hands every prefill chunk the full-prompt position ids.
@@ -271,7 +282,10 @@ class LanguageModel(nn.Module):
         if offset == 0:
             self._rope_deltas = None
         if rope_deltas is not None:
-            self._rope_deltas = rope_deltas
+            # An mx.array: mlx-vlm 0.6.x's batch generator (its server) reads and resets it.
+            self._rope_deltas = rope_deltas if isinstance(rope_deltas, mx.array) else mx.array(rope_deltas)
+            if isinstance(rope_deltas, int):
+                self._delta_memo = (self._rope_deltas, rope_deltas)
 
         deepstack = None
         if position_ids is not None:
@@ -282,10 +296,11 @@ class LanguageModel(nn.Module):
             positions = Positions(explicit=explicit)
         else:
             delta = self._rope_deltas
+            scalar = self._scalar_delta()
             if delta is None:
                 positions = Positions(offset=offset)
-            elif isinstance(delta, int):
-                positions = Positions(offset=offset + delta)
+            elif scalar is not None:
+                positions = Positions(offset=offset + scalar)
             else:
                 ids = (mx.arange(L)[None] + offset + delta.reshape(-1, 1)).astype(mx.int32)
                 positions = Positions(explicit=mx.broadcast_to(ids[None], (3, B, L)))
