@@ -159,6 +159,20 @@ def test_grid_as_nested_list_and_bfloat16_run():
     assert float(mx.abs(c.astype(mx.float32) - a).max()) < 0.1 * float(mx.abs(a).max())
 
 
+def test_quantized_linears_still_run():
+    # MLX conversions may quantize the tower's Linears; those must take the layer's own path.
+    ref = _reference()
+    model = _ours(ref)
+    grids = [[1, 8, 12]]
+    pixels = mx.array(_pixels(grids))
+    a, _ = model(pixels, grids)
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    assert isinstance(model.blocks[0].attn.qkv, nn.QuantizedLinear)
+    b, deep = model(pixels, grids)
+    assert b.shape == a.shape and len(deep) == len(TINY["deepstack_visual_indexes"])
+    assert float(mx.abs(b - a).max()) < 0.05 * float(mx.abs(a).max())
+
+
 def test_sanitize_transposes_torch_conv_once_and_drops_position_ids():
     ref = _reference()
     model = vision.VisionModel(VisionConfig.from_dict(TINY))

@@ -43,12 +43,17 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: List[int] = field(default_factory=lambda: [8, 16, 24])
     rope_parameters: Optional[Dict[str, Any]] = None
+    # Resolved in __post_init__: rope_parameters["rope_theta"], else a bare rope_theta
+    # key (the reference accepts both), else 10000.
+    rope_theta: Optional[float] = None
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "VisionConfig":
         return cls(**_known_fields(cls, params or {}))
 
     def __post_init__(self):
+        theta = (self.rope_parameters or {}).get("rope_theta", self.rope_theta)
+        self.rope_theta = float(theta) if theta is not None else 10000.0
         # Very old checkpoints name the vision config "cohere_compass"; accept it.
         if self.model_type == "cohere_compass":
             self.model_type = "cohere_compass_vision"
@@ -74,10 +79,6 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
-    def rope_theta(self) -> float:
-        params = self.rope_parameters or {}
-        return float(params.get("rope_theta", 10000.0))
 
 
 @dataclass
