@@ -36,7 +36,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 LAYOUTS = ("original", "mlx")
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("default", "small_max_pixels")
+VARIANTS = ("default", "small_max_pixels", "alt_attention")
+# "alt_attention": another text config on the same tensor shapes (alternating layer types,
+# a shorter sliding window, another rotary base) plus small max pixels, so two checkpoints in
+# one process differ in everything but their weight shapes. "default" is never changed.
+ALT_ATTENTION_TEXT = dict(
+    layer_types=["sliding_attention", "full_attention"] * 4,
+    sliding_window=8,
+    rope_theta=20000.0,
+)
 
 # Key prefixes of the two layouts (original -> mlx).
 PREFIXES = (("model.language_model.", "language_model.model."), ("model.visual.", "vision_tower."))
@@ -122,6 +130,10 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
         initializer_range=0.02,
         compass_compat_unknown_vision_key=[1, 2, 3],
     )
+    if variant == "alt_attention":
+        text["layer_types"] = list(ALT_ATTENTION_TEXT["layer_types"])
+        text["sliding_window"] = ALT_ATTENTION_TEXT["sliding_window"]
+        text["rope_parameters"]["sliding_attention"]["rope_theta"] = ALT_ATTENTION_TEXT["rope_theta"]
     return dict(
         architectures=["CohereCompassForConditionalGeneration"],
         model_type="cohere_compass",
@@ -144,7 +156,7 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
 def tiny_preprocessor_config(variant: str = "default") -> dict:
     """preprocessor_config.json; values differ from the published defaults on purpose."""
     _check("variant", variant, VARIANTS)
-    longest = 65536 if variant == "small_max_pixels" else 602112
+    longest = 65536 if variant in ("small_max_pixels", "alt_attention") else 602112
     return dict(
         image_processor_type="CohereCompassImageProcessor",
         processor_class="CohereCompassProcessor",

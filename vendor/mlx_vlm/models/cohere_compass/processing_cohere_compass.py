@@ -465,7 +465,11 @@ def _load_tokenizer(path: Path):
         if not (path / "tokenizer.json").is_file():
             raise
         logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, err)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        extra = (_read_json(path / "tokenizer_config.json") or {}).get("extra_special_tokens")
+        # transformers 5 saves extra_special_tokens as a list (e.g. mlx-vlm 0.7.10's converter
+        # output); 4.57 expects a dict of named tokens: pass the list as additional_special_tokens.
+        legacy = {"extra_special_tokens": {}, "additional_special_tokens": extra} if isinstance(extra, list) else {}
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **legacy)
     return without_double_bos(tokenizer)
 
 
@@ -551,6 +555,7 @@ class CohereCompassProcessor:
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        _compass_compat_checks(path)  # compass-compat (issue 9): before reading any file
         overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         tokenizer = _load_tokenizer(path)
         preprocessor = _read_json(path / "preprocessor_config.json") or {}
@@ -704,6 +709,24 @@ class CohereCompassProcessor:
             f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
             f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
         )
+
+
+# compass-compat (issue 9): checkpoint checks, a separate addition owned by issue 9.
+def _compass_compat_checks(path: Path) -> None:
+    """Refuse a checkpoint folder that reaches outside itself, has truncated weights, bad
+    preprocessor sizes, ... (``compass_compat.checkpoint_checks.validate_checkpoint``).
+
+    Runs only when compass-compat is imported (it is whenever its processor hook built this
+    processor, i.e. on every ``mlx_vlm.load`` of a cohere_compass folder) and only for a
+    folder with a ``config.json``: this module stays importable and usable on its own.
+    """
+    import sys
+
+    if "compass_compat" not in sys.modules or not (path / "config.json").exists():
+        return
+    from compass_compat.checkpoint_checks import validate_checkpoint
+
+    validate_checkpoint(path, require_weights=False)
 
 
 __all__ = ["CohereCompassImageProcessor", "CohereCompassProcessor", "smart_resize"]

@@ -1,0 +1,592 @@
+"""Checks on a cohere_compass checkpoint folder that mlx-vlm's own loader does not make.
+
+:func:`validate_checkpoint` reads only small files (JSON configs and the safetensors
+headers, never tensor data, never a pickle, never checkpoint code) and raises
+:class:`CheckpointError` (a ``ValueError``) saying what is wrong and what to do:
+
+- the folder: every entry, and every path a config names (index shards), must resolve
+  inside the folder (or, for a Hugging Face cache snapshot, inside that repo's ``blobs``);
+- ``config.json``: present, JSON, ``model_type`` ``cohere_compass``, no ``model_file``
+  (mlx-vlm >= 0.7 would execute it), values the model accepts (the vendored
+  ``ModelConfig`` is the judge), and, for a folder with weights, a ``text_config`` with
+  ``rope_parameters`` and a ``vision_config``;
+- ``preprocessor_config.json``: positive pixel bounds and patch sizes;
+- weights: safetensors only (pickle files are ignored, or refused when they are all there
+  is), each header well formed and not truncated, every tensor the model needs present
+  with the shape ``config.json`` implies and nothing else, and a ``quantization`` block
+  that agrees with the stored quantized tensors.
+
+Where it runs: hosts can call it before ``mlx_vlm.load``; the vendored processor's
+``from_pretrained`` also calls it (with ``require_weights=False``) whenever compass-compat
+built the processor, which is part of every ``mlx_vlm.load`` of a cohere_compass folder.
+
+What mlx-vlm's own ``load_model`` reads before any compass-compat code runs, per pin (so a
+load that the processor's call refuses may already have read these):
+
+- every pin: ``config.json``; every ``*.safetensors`` in the folder, following symlinks
+  (tensor data is read when ``load`` evaluates the parameters);
+- 0.4.4 and later: ``generation_config.json``;
+- 0.6.12 and later: ``model.safetensors.index.json`` and the shards it names, joined to the
+  folder as given (``../`` and absolute names included), and ``hf_quant_config.json``;
+- 0.7.x: the file named by config.json's ``model_file``, which it imports (runs).
+
+The files the processor reads (tokenizer files, ``preprocessor_config.json``, chat
+templates) are checked before they are opened, on every pin; mlx-vlm reads
+``tokenizer.json`` again only after the processor was built. Nothing here unpickles,
+imports checkpoint code, or honours ``trust_remote_code``. Refusing a folder before
+mlx-vlm's first read needs a pre-load hook in the shim (wrapping
+``mlx_vlm.utils.load_model``); see the issue 9 note.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+MODEL_TYPE = "cohere_compass"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Config keys of text_config / vision_config that set tensor shapes, with the reference's
+# defaults (transformers' CohereCompassTextConfig / CohereCompassVisionConfig).
+SHAPE_KEYS = {
+    "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
+    "vision_config": ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                      "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
+                      "num_position_embeddings", "deepstack_visual_indexes"),
+}
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
+    "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+_PREPROCESSOR_INTS = ("patch_size", "merge_size", "spatial_merge_size", "temporal_patch_size",
+                      "min_pixels", "max_pixels")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cohere_compass cannot, or must not, be loaded from.
+
+    Attributes:
+        folder: the checkpoint folder.
+        file: the file at fault (a name inside the folder), or None.
+    """
+
+    def __init__(self, message: str, *, folder: Any = None, file: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.folder = None if folder is None else Path(folder)
+        self.file = file
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What :func:`validate_checkpoint` looked at.
+
+    Attributes:
+        folder: the checkpoint folder.
+        weight_files: safetensors files the loaders read (names inside the folder).
+        ignored_files: pickle weight files, never opened.
+        quantization: the ``quantization`` block of config.json, or None.
+        notes: things that are fine but worth knowing (e.g. an ignored ``auto_map``).
+    """
+
+    folder: Path
+    weight_files: Tuple[str, ...]
+    ignored_files: Tuple[str, ...]
+    quantization: Optional[Dict[str, Any]]
+    notes: Tuple[str, ...]
+
+
+def validate_checkpoint(path: Any, *, require_weights: bool = True) -> CheckpointReport:
+    """Check a local cohere_compass checkpoint folder before loading it.
+
+    Args:
+        path: the checkpoint folder.
+        require_weights: when False, a folder without weight files (a processor-only
+            folder) passes the weight checks; weight files that are present are checked.
+
+    Raises:
+        CheckpointError: the first problem found, with what to do about it.
+    """
+    folder = Path(os.fspath(path))
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a local checkpoint folder; download the checkpoint first",
+                              folder=folder)
+    roots = _allowed_roots(folder)
+    _check_entries(folder, roots)
+    notes: List[str] = []
+
+    config = _read_json(folder, "config.json", required=True)
+    _check_model_type(folder, config)
+    notes.extend(_check_code_keys(folder, config))
+    model_config = _model_config(folder, config)
+    _check_preprocessor(folder, _read_json(folder, "preprocessor_config.json", required=False))
+
+    weight_files, ignored = _weight_files(folder, roots)
+    if not weight_files:
+        if ignored:
+            raise CheckpointError(
+                f"{folder} holds only pickle weights ({', '.join(ignored)}); compass-compat reads "
+                "safetensors only and never unpickles: convert them to safetensors with a tool you "
+                "trust, in a separate process, and load the converted folder",
+                folder=folder, file=ignored[0])
+        if require_weights:
+            raise CheckpointError(f"{folder} has no *.safetensors weights; the download is incomplete "
+                                  "or this is not a model folder", folder=folder)
+    else:
+        _check_sub_configs(folder, config)
+        headers = {name: _read_header(folder, name) for name in weight_files}
+        _check_tensors(folder, config, model_config, headers)
+    if ignored:
+        notes.append(f"pickle files ignored, never opened: {', '.join(ignored)}")
+    return CheckpointReport(folder, tuple(weight_files), tuple(ignored), config.get("quantization"), tuple(notes))
+
+
+# ------------------------------------------------------------------ the folder
+
+
+def _allowed_roots(folder: Path) -> Tuple[str, ...]:
+    real = os.path.realpath(folder)
+    roots = [real]
+    # A Hugging Face cache snapshot (models--org--name/snapshots/<rev>/) is a folder of
+    # symlinks into models--org--name/blobs/: those targets belong to the checkpoint.
+    for candidate in {folder.absolute(), Path(real)}:
+        if candidate.parent.name == "snapshots" and candidate.parent.parent.name.startswith("models--"):
+            roots.append(os.path.realpath(candidate.parent.parent / "blobs"))
+    return tuple(roots)
+
+
+def _inside(target: str, roots: Iterable[str]) -> bool:
+    return any(os.path.commonpath([target, root]) == root for root in roots)
+
+
+def _check_entries(folder: Path, roots: Tuple[str, ...]) -> None:
+    with os.scandir(folder) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            _check_reference(folder, entry.name, roots, what="entry")
+
+
+def _check_reference(folder: Path, name: str, roots: Tuple[str, ...], what: str) -> Path:
+    """Resolve ``name`` inside ``folder``; refuse anything that leaves it."""
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise CheckpointError(
+            f"{what} {name!r} in {folder} points outside the checkpoint folder; compass-compat "
+            "reads only files inside it: put the file in the folder and name it relative to it",
+            folder=folder, file=name)
+    path = folder / name
+    target = os.path.realpath(path)
+    if not _inside(target, roots):
+        raise CheckpointError(
+            f"{what} {name!r} in {folder} is a link to {target}, outside the checkpoint folder; "
+            "compass-compat reads only files inside it: copy the file into the folder",
+            folder=folder, file=name)
+    if path.is_symlink() and not os.path.exists(target):
+        raise CheckpointError(f"{what} {name!r} in {folder} is a broken link (to {target}); "
+                              "re-download the checkpoint", folder=folder, file=name)
+    return path
+
+
+def _read_json(folder: Path, name: str, *, required: bool) -> Optional[Dict[str, Any]]:
+    path = folder / name
+    if not path.is_file():
+        if required:
+            raise CheckpointError(
+                f"{folder} has no {name}; a checkpoint folder needs the {name} published with "
+                "its weights (re-download the checkpoint)", folder=folder, file=name)
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(
+            f"{name} in {folder} is not valid JSON ({err.msg} at line {err.lineno}, column "
+            f"{err.colno}); restore the file from the published checkpoint", folder=folder, file=name) from err
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{name} in {folder} is not UTF-8 text ({err}); restore the file from the "
+                              "published checkpoint", folder=folder, file=name) from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{name} in {folder} must hold a JSON object, not {type(data).__name__}; "
+                              "restore the file from the published checkpoint", folder=folder, file=name)
+    return data
+
+
+# ------------------------------------------------------------------ config.json
+
+
+def _check_model_type(folder: Path, config: Dict[str, Any]) -> None:
+    model_type = config.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise CheckpointError(
+            f"config.json in {folder} has model_type {model_type!r}, not {MODEL_TYPE!r}: this is not a "
+            "cohere_compass (North-Micro-Vision) checkpoint; load it without compass-compat's checks, "
+            "or point at a cohere_compass checkpoint", folder=folder, file="config.json")
+
+
+def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
+    if config.get("model_file"):
+        # mlx-vlm >= 0.7 imports config.json's model_file from the checkpoint folder in
+        # get_model_and_args, with no opt-in (0.3.9 to 0.6.12 ignore the key).
+        raise CheckpointError(
+            f"config.json in {folder} declares model_file={config['model_file']!r}: mlx-vlm >= 0.7 would "
+            "execute that file. compass-compat never runs code from a checkpoint; remove the "
+            "model_file key (cohere_compass needs no checkpoint code)", folder=folder, file="config.json")
+    if "auto_map" in config:
+        return ["config.json's auto_map is ignored: no checkpoint code is run (trust_remote_code is never honoured)"]
+    return []
+
+
+@functools.lru_cache(maxsize=1)
+def _config_module():
+    # The vendored config.py by path: it imports only the standard library, so this needs
+    # neither mlx nor the live mlx_vlm package (upstream's may be the live one).
+    from ._patch import vendor_root
+
+    path = vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE / "config.py"
+    name = "compass_compat._checked_config"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _model_config(folder: Path, config: Dict[str, Any]):
+    for key in ("text_config", "vision_config"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(f"config.json in {folder}: {key} must be a JSON object, not "
+                                  f"{type(config[key]).__name__}; restore it from the published checkpoint",
+                                  folder=folder, file="config.json")
+    model_config_cls = _config_module().ModelConfig
+    try:
+        return model_config_cls.from_dict(config)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"config.json in {folder}: {err}. Fix that value (the published "
+                              "checkpoint's config.json has the right one)." + _defaulted_hint(config),
+                              folder=folder, file="config.json") from err
+
+
+def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
+    for key in ("text_config", "vision_config"):
+        if not config.get(key):
+            raise CheckpointError(
+                f"config.json in {folder} has no {key}: the reference's defaults for it describe a "
+                f"different model than these weights. Copy the {key} block of the checkpoint's "
+                "published config.json", folder=folder, file="config.json")
+    text = config["text_config"]
+    if text.get("rope_parameters") is None and text.get("rope_theta") is None:
+        # transformers' model raises KeyError without them; the MLX model would silently
+        # run every layer without positional encoding.
+        raise CheckpointError(
+            f"config.json in {folder}: text_config has no rope_parameters, so sliding layers would get "
+            "no rotary embedding (transformers refuses such a config). Copy rope_parameters from the "
+            "published config.json, e.g. {\"sliding_attention\": {\"rope_type\": \"default\", "
+            "\"rope_theta\": 50000, \"mrope_section\": [24, 20, 20], \"mrope_interleaved\": true}, "
+            "\"full_attention\": null}", folder=folder, file="config.json")
+
+
+# ------------------------------------------------------------------ preprocessor
+
+
+def _check_preprocessor(folder: Path, pre: Optional[Dict[str, Any]]) -> None:
+    if pre is None:
+        return
+    size = pre.get("size")
+    if size is not None and not isinstance(size, dict):
+        raise CheckpointError(f"preprocessor_config.json in {folder}: size must be an object with "
+                              "shortest_edge / longest_edge (min / max pixels)", folder=folder,
+                              file="preprocessor_config.json")
+    values = {f"size.{k}": v for k, v in (size or {}).items() if k in ("shortest_edge", "longest_edge")}
+    values.update({k: pre[k] for k in _PREPROCESSOR_INTS if pre.get(k) is not None})
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(
+                f"preprocessor_config.json in {folder}: {key} must be a positive integer, got {value!r}; "
+                "restore it from the published checkpoint (size.shortest_edge 65536 = min pixels, "
+                "size.longest_edge 16777216 = max pixels, patch_size 16, merge_size 2, "
+                "temporal_patch_size 2)", folder=folder, file="preprocessor_config.json")
+    low = pre.get("min_pixels", values.get("size.shortest_edge"))
+    high = pre.get("max_pixels", values.get("size.longest_edge"))
+    if low is not None and high is not None and low > high:
+        raise CheckpointError(f"preprocessor_config.json in {folder}: min pixels ({low}) exceed max pixels "
+                              f"({high}); restore the published values", folder=folder,
+                              file="preprocessor_config.json")
+
+
+# ------------------------------------------------------------------ weight files
+
+
+def _weight_files(folder: Path, roots: Tuple[str, ...]) -> Tuple[List[str], List[str]]:
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    # Every mlx-vlm pin globs *.safetensors except *consolidated.safetensors.
+    files = [n for n in names if n.endswith(".safetensors") and not n.endswith("consolidated.safetensors")]
+    index = _read_json(folder, INDEX_FILE, required=False)
+    if index is not None:
+        # mlx-vlm >= 0.6 reads the shards named by the index (0.3.9 / 0.4.4 glob only).
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{INDEX_FILE} in {folder} has no weight_map object; restore it from "
+                                  "the published checkpoint", folder=folder, file=INDEX_FILE)
+        for shard in sorted(set(map(str, weight_map.values()))):
+            _check_reference(folder, shard, roots, what=f"{INDEX_FILE} shard")
+            if not (folder / shard).is_file():
+                raise CheckpointError(f"{INDEX_FILE} in {folder} names shard {shard!r}, which is missing; "
+                                      "the download is incomplete: download it again", folder=folder, file=shard)
+            if shard not in files:
+                files.append(shard)
+    ignored = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    return files, ignored
+
+
+def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
+    """Tensor entries of a safetensors header, checked against the file's size."""
+    path = folder / name
+    size = path.stat().st_size
+
+    def broken(why: str) -> CheckpointError:
+        return CheckpointError(f"{name} in {folder} is not a valid safetensors file ({why}); the download "
+                               "was probably interrupted or the file corrupted: download it again",
+                               folder=folder, file=name)
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise broken(f"{size} bytes, too short for a header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise broken(f"its header claims {length} bytes but the file holds {size - 8} after the length")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise broken(f"unreadable header: {err}") from err
+    if not isinstance(header, dict):
+        raise broken("the header is not a JSON object")
+    available = size - 8 - length
+    entries, end = {}, 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, stop) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise broken(f"tensor {key!r} has a malformed entry ({err!r})") from err
+        if dtype not in _DTYPE_BYTES or any(d < 0 for d in shape):
+            raise broken(f"tensor {key!r} has dtype {dtype!r} and shape {shape}")
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise broken(f"tensor {key!r} has data offsets {[start, stop]}")
+        if stop - start != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise broken(f"tensor {key!r} of shape {shape} {dtype} has {stop - start} bytes of data")
+        entries[key] = {"dtype": dtype, "shape": tuple(shape), "file": name}
+        end = max(end, stop)
+    if end > available:
+        raise CheckpointError(
+            f"{name} in {folder} is truncated: its header describes {end} bytes of tensor data but the file "
+            f"holds {available}; the download was interrupted: download the file again",
+            folder=folder, file=name)
+    return entries
+
+
+# ------------------------------------------------------------------ tensors
+
+
+def expected_tensors(model_config) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """``{mlx key: (shape, kind)}`` of every parameter the model has for ``model_config``.
+
+    kind: ``"linear"`` and ``"embedding"`` (quantizable), ``"conv"`` (the patch embedding,
+    MLX layout), ``"plain"``. Derived from the config by arithmetic, independently of the
+    model code (a test checks the two agree).
+    """
+    t, v = model_config.text_config, model_config.vision_config
+    out: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    d, hd = t.hidden_size, t.head_dim
+    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+
+    def linear(prefix: str, n_out: int, n_in: int, bias: bool) -> None:
+        out[prefix + ".weight"] = ((n_out, n_in), "linear")
+        if bias:
+            out[prefix + ".bias"] = ((n_out,), "plain")
+
+    lm = "language_model.model."
+    out[lm + "embed_tokens.weight"] = ((t.vocab_size, d), "embedding")
+    for i in range(t.num_hidden_layers):
+        p = f"{lm}layers.{i}."
+        out[p + "input_layernorm.weight"] = ((d,), "plain")
+        for name, n_out, n_in in (("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)):
+            linear(p + "self_attn." + name, n_out, n_in, t.attention_bias)
+        for name, n_out, n_in in (("gate_proj", t.intermediate_size, d), ("up_proj", t.intermediate_size, d),
+                                  ("down_proj", d, t.intermediate_size)):
+            linear(p + "mlp." + name, n_out, n_in, False)
+    out[lm + "norm.weight"] = ((d,), "plain")
+    if not model_config.tie_word_embeddings:
+        linear("language_model.lm_head", t.vocab_size, d, False)
+
+    vd, vi = v.hidden_size, v.intermediate_size
+    merged = vd * v.spatial_merge_size ** 2
+    vt = "vision_tower."
+    conv = (vd, v.temporal_patch_size, v.patch_size, v.patch_size, v.in_channels)
+    out[vt + "patch_embed.proj.weight"] = (conv, "conv")
+    out[vt + "patch_embed.proj.bias"] = ((vd,), "plain")
+    out[vt + "pos_embed.weight"] = ((v.num_position_embeddings, vd), "embedding")
+    for i in range(v.depth):
+        p = f"{vt}blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            out[p + norm + ".weight"] = ((vd,), "plain")
+            out[p + norm + ".bias"] = ((vd,), "plain")
+        linear(p + "attn.qkv", 3 * vd, vd, True)
+        linear(p + "attn.proj", vd, vd, True)
+        linear(p + "mlp.linear_fc1", vi, vd, True)
+        linear(p + "mlp.linear_fc2", vd, vi, True)
+    mergers = [("merger.", vd)] + [(f"deepstack_merger_list.{k}.", merged)
+                                   for k in range(len(v.deepstack_visual_indexes))]
+    for p, norm_dim in mergers:
+        out[vt + p + "norm.weight"] = ((norm_dim,), "plain")
+        out[vt + p + "norm.bias"] = ((norm_dim,), "plain")
+        linear(vt + p + "linear_fc1", merged, merged, True)
+        linear(vt + p + "linear_fc2", v.out_hidden_size, merged, True)
+    return out
+
+
+def _mlx_key(key: str, tied: bool) -> Optional[str]:
+    """A stored key in the module tree's naming (both published layouts), or None if dropped."""
+    if key.rsplit(".", 1)[-1] == "position_ids":
+        return None
+    for src, dst in (("model.language_model.", "language_model.model."), ("model.visual.", "vision_tower."),
+                     ("lm_head.", "language_model.lm_head.")):
+        if key.startswith(src):
+            key = key.replace(src, dst, 1)
+            break
+    if tied and key.startswith("language_model.lm_head."):
+        return None
+    return key
+
+
+def _defaulted_hint(config: Dict[str, Any]) -> str:
+    missing = [f"{sub}.{k}" for sub, keys in SHAPE_KEYS.items() for k in keys
+               if k not in (config.get(sub) or {}) and k not in ("head_dim", "attention_bias",
+                                                                  "num_key_value_heads", "in_channels")]
+    if not missing:
+        return ""
+    return (f" config.json leaves {', '.join(missing)} to the reference's defaults, which describe "
+            "another model: add those keys from the published config.json.")
+
+
+def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) -> None:
+    tied = bool(model_config.tie_word_embeddings)
+    stored: Dict[str, Dict[str, Any]] = {}
+    original: Dict[str, str] = {}
+    for entries in headers.values():
+        for key, info in entries.items():
+            mlx = _mlx_key(key, tied)
+            if mlx is not None:
+                stored[mlx] = info
+                original[mlx] = key
+    expected = expected_tensors(model_config)
+    hint = _defaulted_hint(config)
+
+    def where(mlx: str) -> str:
+        return f"{original[mlx]} (in {stored[mlx]['file']})"
+
+    quantized = sorted(k[: -len(".scales")] for k in stored if k.endswith(".scales"))
+    _check_quantization(folder, config, expected, stored, quantized, where)
+    qset = set(quantized)
+
+    allowed = set(expected) | {f"{m}.{part}" for m in qset for part in ("scales", "biases")}
+    unexpected = sorted(k for k in stored if k not in allowed)
+    if unexpected:
+        post_norm = any("post_attention_layernorm" in k for k in unexpected)
+        raise CheckpointError(
+            f"{folder}: {len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. "
+            + ", ".join(where(k) for k in unexpected[:5])
+            + (". A post_attention_layernorm means these weights are not cohere_compass"
+               if post_norm else ". The weights belong to another model or configuration")
+            + ": use the config.json published with these weights, or the weights published with it."
+            + hint, folder=folder, file=stored[unexpected[0]]["file"])
+    missing = sorted(k for k in expected if k not in stored)
+    if missing:
+        raise CheckpointError(
+            f"{folder}: {len(missing)} tensor(s) the model needs are not stored, e.g. {', '.join(missing[:5])}. "
+            "The weights are incomplete or for another configuration: re-download the checkpoint, or use "
+            "the config.json published with these weights." + hint, folder=folder)
+    for key, (shape, kind) in expected.items():
+        if key.rsplit(".", 1)[0] in qset:
+            continue  # checked with the quantization block
+        got = stored[key]["shape"]
+        ok = got == shape or (kind == "conv" and got == (shape[0], shape[4], shape[1], shape[2], shape[3]))
+        if not ok:
+            raise CheckpointError(
+                f"{folder}: {where(key)} has shape {list(got)} but config.json implies {list(shape)}; "
+                "config.json and the weights disagree: use the config.json published with these weights."
+                + hint, folder=folder, file=stored[key]["file"])
+
+
+def _check_quantization(folder: Path, config, expected, stored, quantized, where) -> None:
+    block = config.get("quantization")
+    if not quantized:
+        return
+    first = quantized[0]
+    if not isinstance(block, dict):
+        bits, group = _stored_quantization(expected, stored, first)
+        raise CheckpointError(
+            f"{folder}: {where(first + '.scales')} shows the weights are quantized ({bits}-bit, group size "
+            f"{group}), but config.json has no quantization block, so the model would be built unquantized. "
+            f"Add \"quantization\": {{\"group_size\": {group}, \"bits\": {bits}, \"mode\": \"affine\"}} "
+            "(or restore the config.json published with these weights)", folder=folder, file="config.json")
+    for module in quantized:
+        weight = module + ".weight"
+        if weight not in expected or expected[weight][1] not in ("linear", "embedding"):
+            continue  # reported as an unexpected tensor
+        # Per-module overrides, keyed by module path; mlx-vlm >= 0.6 also matches the path
+        # without the "language_model." prefix (text-only conversions).
+        settings = block.get(module)
+        if settings is None and module.startswith("language_model."):
+            settings = block.get(module[len("language_model."):])
+        if settings is None:
+            settings = block
+        if settings is False:
+            raise CheckpointError(
+                f"{folder}: config.json's quantization block says {module} is not quantized, but "
+                f"{where(module + '.scales')} is stored: restore the config.json published with these weights",
+                folder=folder, file="config.json")
+        settings = settings if isinstance(settings, dict) else block
+        want_bits, want_group = settings.get("bits"), settings.get("group_size")
+        mode = settings.get("mode", "affine")
+        bits, group = _stored_quantization(expected, stored, module)
+        if (bits, group) != (want_bits, want_group):
+            raise CheckpointError(
+                f"{folder}: config.json's quantization block says bits={want_bits}, group_size={want_group}, "
+                f"but {where(weight)} is stored with {bits} bits and group size {group} "
+                f"(weight {list(stored[weight]['shape'])}, scales {list(stored[module + '.scales']['shape'])}). "
+                f"Set quantization to {{\"group_size\": {group}, \"bits\": {bits}}} or restore the "
+                "config.json published with these weights", folder=folder, file="config.json")
+        if mode == "affine" and stored.get(module + ".biases", {}).get("shape") != stored[module + ".scales"]["shape"]:
+            raise CheckpointError(
+                f"{folder}: {module} is quantized in affine mode but its .biases tensor is missing or shaped "
+                "unlike its .scales; the weights are incomplete: re-download or re-convert them",
+                folder=folder, file=stored[module + ".scales"]["file"])
+
+
+def _stored_quantization(expected, stored, module: str) -> Tuple[Any, Any]:
+    """(bits, group_size) implied by a quantized module's stored weight and scales."""
+    weight = stored.get(module + ".weight")
+    scales = stored[module + ".scales"]
+    n_in = expected.get(module + ".weight", ((0, 0), ""))[0][-1]
+    if weight is None or not n_in or not weight["shape"] or not scales["shape"] or not scales["shape"][-1]:
+        return None, None
+    packed, groups = weight["shape"][-1], scales["shape"][-1]
+    bits = packed * 32 / n_in
+    group = n_in / groups
+    return (int(bits) if bits == int(bits) else bits), (int(group) if group == int(group) else group)
+
+
+__all__ = ["CheckpointError", "CheckpointReport", "expected_tensors", "validate_checkpoint"]

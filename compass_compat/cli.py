@@ -1,0 +1,487 @@
+"""``python -m compass_compat``: mlx-vlm's generate, server and convert with the patch applied.
+
+Subcommands:
+
+- ``generate``: mlx-vlm's generate flags (``--model --image --prompt --max-tokens
+  --temperature ...``); without ``--model`` it builds (once) and uses a tiny default
+  checkpoint with RANDOM weights, without ``--image`` it uses the bundled demo picture.
+- ``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
+  inputs answered by a 400 (``compass_compat.server_guard``).
+- ``convert``: the installed mlx-vlm's converter (its flags, e.g. ``--hf-path ... --mlx-path
+  ... -q --q-bits 4``), patched.
+- ``run -- CMD ...``: run any command with ``COMPASS_COMPAT_AUTOPATCH=1``, so every Python
+  process it starts in this environment is patched by the startup hook (no code change).
+- ``info``: which cohere_compass implementation is live, and why; hook and cache status.
+
+Importing this module imports ``compass_compat``, so the patch is in effect before any
+subcommand touches mlx-vlm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from . import __version__, implementation_info
+from .startup import ENV as AUTOPATCH_ENV
+from .startup import PTH_NAME, installed_hooks
+
+PROG = "python -m compass_compat"
+DEMO_IMAGE = Path(__file__).resolve().parent / "assets" / "demo.png"
+HOME_ENV = "COMPASS_COMPAT_HOME"
+DEFAULT_CHECKPOINT = "tiny-random-v1"  # bump the suffix when the builder's output changes
+MARKER = "compass-compat-default.json"
+DEFAULT_PROMPT = "Describe this picture."
+DEFAULT_MAX_TOKENS = 256
+RANDOM_WEIGHTS_NOTE = (
+    "compass-compat's default checkpoint: a tiny cohere_compass with RANDOM weights (seed 0). "
+    "The text is noise; tokenizer, chat template, image processor, vision tower, decoder and "
+    "sampling are the real pipeline. Pass --model PATH for a real checkpoint."
+)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``<prog> <command>: error: <message>``, exit 2."""
+
+
+def log(message: str) -> None:
+    print(f"[compass-compat] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- default checkpoint
+
+
+def cache_dir() -> Path:
+    """``$COMPASS_COMPAT_HOME``, else ``$XDG_CACHE_HOME/compass-compat``, else ``~/.cache/compass-compat``."""
+    home = os.environ.get(HOME_ENV, "").strip()
+    if home:
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "compass-compat"
+
+
+def default_checkpoint_path() -> Path:
+    return cache_dir() / DEFAULT_CHECKPOINT
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_checkpoint_problem(path: Path) -> Optional[str]:
+    """None if ``path`` holds a complete default checkpoint, else what is wrong with it."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"{MARKER} is missing" if path.exists() else "not built yet"
+    try:
+        meta = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"{MARKER} is unreadable ({err})"
+    for name, digest in meta.get("sha256", {}).items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if _sha256(path / name) != digest:
+            return f"{name} changed since it was built"
+    return None if meta.get("sha256") else f"{MARKER} lists no files"
+
+
+def ensure_default_checkpoint() -> Path:
+    """Build the default checkpoint once (atomically; concurrent builders are safe)."""
+    target = default_checkpoint_path()
+    problem = default_checkpoint_problem(target)
+    if problem is None:
+        return target
+    from .tiny import build_tiny_checkpoint
+
+    log(f"building the default checkpoint in {target} ({problem})")
+    log("  tiny cohere_compass, original (CohereLabs) layout, float32, RANDOM weights (seed 0)")
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_CHECKPOINT}-", dir=target.parent))
+    try:
+        log("  [1/3] config.json, tokenizer, chat template, preprocessor config, weights")
+        build_tiny_checkpoint(staging, layout="original", dtype="float32", seed=0)
+        (staging / "README.md").write_text(
+            "# compass-compat default checkpoint\n\n" + RANDOM_WEIGHTS_NOTE + "\n\n"
+            f"Built by compass-compat {__version__} (`compass_compat.tiny.build_tiny_checkpoint`).\n",
+            encoding="utf-8",
+        )
+        log("  [2/3] fingerprinting the files")
+        files = sorted(p.name for p in staging.iterdir() if p.is_file())
+        meta = {
+            "built_by": f"compass-compat {__version__}",
+            "weights": "random (compass_compat.tiny, seed 0)",
+            "sha256": {name: _sha256(staging / name) for name in files},
+        }
+        (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        log("  [3/3] moving it into place")
+        if target.exists() and default_checkpoint_problem(target) is not None:
+            shutil.rmtree(target)  # damaged: replaced below
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if default_checkpoint_problem(target) is not None:
+                raise
+            return target  # another process finished the same build first
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    size = sum(p.stat().st_size for p in target.iterdir()) / 1e6
+    log(f"  done: {size:.1f} MB in {time.perf_counter() - start:.2f} s")
+    return target
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def resolve_model(model: Optional[str]) -> Tuple[str, bool]:
+    """(path or repo id to load, whether it is the default checkpoint)."""
+    if model is None:
+        return str(ensure_default_checkpoint()), True
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CliError(f"{path} has no config.json: it is not a model checkpoint folder")
+        if not any(path.glob("*.safetensors")):
+            raise CliError(f"{path} has no *.safetensors weights")
+        return str(path), False
+    if path.exists():
+        raise CliError(f"--model {model}: expected a checkpoint folder, got a file")
+    if _REPO_ID.match(model) and not model.startswith((".", "~")):
+        return model, False  # a Hugging Face repo id: mlx-vlm resolves (downloads) it
+    raise CliError(
+        f"model folder not found: {path} (pass --model with a checkpoint folder holding "
+        "config.json and *.safetensors, or leave --model out for the default tiny checkpoint)"
+    )
+
+
+def check_images(images: Sequence[str]) -> List[str]:
+    out = []
+    for image in images:
+        if image.startswith(("http://", "https://", "data:")):
+            out.append(image)
+            continue
+        path = Path(image).expanduser()
+        if not path.is_file():
+            raise CliError(f"image file not found: {path}")
+        out.append(str(path))
+    return out
+
+
+# ------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model_ref, is_default = resolve_model(args.model)
+    if args.no_image and args.image:
+        raise CliError("--no-image and --image exclude each other")
+    images = [] if args.no_image else check_images(args.image or [str(DEMO_IMAGE)])
+
+    import mlx.core as mx
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    mx.random.seed(args.seed)
+    try:
+        model, processor = load(model_ref)
+    except Exception as err:  # re-raised as a one-line CliError; the cause stays chained
+        where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
+        raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
+    prompt = " ".join(args.prompt) if args.prompt else DEFAULT_PROMPT
+    messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
+    formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+
+    if args.verbose:
+        info = implementation_info()
+        print("=" * 10)
+        print(f"Model: {model_ref}")
+        if is_default:
+            print(f"       {RANDOM_WEIGHTS_NOTE}")
+        print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")
+        print(f"Images: {images}")
+        print(f"Prompt: {prompt}")
+        print("=" * 10, flush=True)
+    elif is_default:
+        log("note: " + RANDOM_WEIGHTS_NOTE)
+
+    last = None
+    for result in stream_generate(
+        model, processor, formatted, image=images or None, max_tokens=args.max_tokens, temperature=args.temperature
+    ):
+        print(result.text, end="", flush=True)
+        last = result
+    print(flush=True)
+    if args.verbose and last is not None:
+        print("=" * 10)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return 0
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _mlx_vlm_version() -> Tuple[int, ...]:
+    import mlx_vlm
+
+    return tuple(int(p) for p in re.findall(r"\d+", str(mlx_vlm.__version__))[:3])
+
+
+def _server_module():
+    try:
+        return importlib.import_module("mlx_vlm.server")
+    except ModuleNotFoundError as err:
+        info = implementation_info()
+        raise CliError(
+            f"mlx-vlm {info.mlx_vlm_version} has no usable server (import mlx_vlm.server failed: {err}); "
+            "mlx-vlm's server needs fastapi and uvicorn"
+        ) from err
+
+
+def cmd_server(args: argparse.Namespace, rest: List[str]) -> int:
+    model = _flag_value(rest, "--model")
+    if model is not None and not args.help:
+        resolve_model(model)  # a bad path fails here, with a message, not inside the server
+    module = _server_module()
+    if args.help:
+        _server_parser().print_help()
+        print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)
+        rest = ["--help"]
+    else:
+        # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
+        os.environ[AUTOPATCH_ENV] = "1"
+        if not args.no_guard:
+            from . import server_guard
+
+            # mlx-vlm declares MAX_IMAGES = 10 per request (every pin to 0.7.10) but never enforces it.
+            limit = args.max_images if args.max_images is not None else int(getattr(module, "MAX_IMAGES", 10))
+            server_guard.install(module.app, limit)
+    if _mlx_vlm_version() < (0, 4):
+        return _legacy_server(module, rest)
+    sys.argv = ["mlx_vlm.server", *rest]
+    module.main()
+    return 0
+
+
+def _legacy_server(module, rest: List[str]) -> int:
+    # mlx-vlm 0.3.x: main() always runs uvicorn with reload=True, which re-imports the app in
+    # a child process (losing the guard) and watches the working directory; serve the app
+    # object in this process instead. Its flags are --host and --port; --model preloads.
+    parser = argparse.ArgumentParser(prog=f"{PROG} server", description="mlx-vlm 0.3.x server, patched.")
+    parser.add_argument("--host", default="0.0.0.0", help="Host for the HTTP server (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="Port for the HTTP server (default: %(default)s)")
+    parser.add_argument("--model", help="Load this model now; requests must name it in their 'model' field.")
+    args = parser.parse_args(rest)
+    if args.model:
+        model_ref, _ = resolve_model(args.model)
+        module.get_cached_model(model_ref)
+    import uvicorn
+
+    uvicorn.run(module.app, host=args.host, port=args.port, workers=1)
+    return 0
+
+
+# -------------------------------------------------------------------------- convert
+
+
+def cmd_convert(rest: List[str]) -> int:
+    if "-h" in rest or "--help" in rest:
+        version = implementation_info().mlx_vlm_version
+        print(f"{PROG} convert: mlx-vlm {version}'s converter with the patch applied. Its options:\n", flush=True)
+    else:
+        hf = _flag_value(rest, "--hf-path")
+        if hf is None:
+            raise CliError("--hf-path is required (the checkpoint folder to convert)")
+        path = Path(hf).expanduser()
+        if not path.is_dir() and not _REPO_ID.match(hf):
+            raise CliError(f"--hf-path: checkpoint folder not found: {path}")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise CliError(f"--hf-path: {path} has no config.json: it is not a model checkpoint folder")
+    module = importlib.import_module("mlx_vlm.convert")
+    sys.argv = ["mlx_vlm.convert", *rest]
+    module.main()
+    return 0
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def cmd_run(command: List[str]) -> int:
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError(f"run needs a command, e.g. {PROG} run -- python -m mlx_vlm.generate --model PATH ...")
+    if not installed_hooks():
+        log(
+            f"warning: {PTH_NAME} is not installed in this interpreter's site-packages, so "
+            f"{AUTOPATCH_ENV}=1 has no effect here; reinstall compass-compat (pip install .)"
+        )
+    env = dict(os.environ)
+    env[AUTOPATCH_ENV] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError as err:
+        raise CliError(f"command not found: {command[0]}") from err
+    except PermissionError as err:
+        raise CliError(f"cannot execute {command[0]}: {err}") from err
+    return 0  # not reached: exec replaced this process
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = implementation_info()
+    ckpt = default_checkpoint_path()
+    problem = default_checkpoint_problem(ckpt)
+    hooks = installed_hooks()
+    data = dict(vars(info))
+    data.update(
+        compass_compat_version=__version__,
+        startup_hook=[str(h) for h in hooks],
+        autopatch_env=os.environ.get(AUTOPATCH_ENV, ""),
+        default_checkpoint=str(ckpt),
+        default_checkpoint_state="built" if problem is None else problem,
+        demo_image=str(DEMO_IMAGE),
+    )
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    width = max(len(k) for k in data)
+    for key, value in data.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _server_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} server",
+        add_help=False,
+        description=(
+            "Start the installed mlx-vlm's own server with the patch applied. Options not listed "
+            "here (--model, --host, --port, ...) are mlx-vlm's; they differ between releases. "
+            "Malformed image inputs (bad base64, unreadable image, missing file, too many images) "
+            "get HTTP 400 instead of mlx-vlm's 500."
+        ),
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
+    parser.add_argument(
+        "--max-images", type=int, default=None,
+        help="most images per request before a 400 (default: mlx-vlm's MAX_IMAGES, 10)",
+    )
+    parser.add_argument("--no-guard", action="store_true", help="pass every request to mlx-vlm unchecked")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="cohere_compass (North-Micro-Vision) on the installed mlx-vlm, with the compass-compat patch applied.",
+    )
+    parser.add_argument("--version", action="version", version=f"compass-compat {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text from images and a prompt (mlx-vlm's generate flags)",
+        description=(
+            "Generate text with mlx-vlm's load + stream_generate, the prompt formatted by "
+            "mlx_vlm.prompt_utils.apply_chat_template as mlx-vlm's own CLI does. Without --model "
+            "a tiny default checkpoint with RANDOM weights is built once under "
+            f"${HOME_ENV} (default ~/.cache/compass-compat); without --image the bundled demo "
+            "picture is used."
+        ),
+    )
+    gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the tiny random checkpoint")
+    gen.add_argument(
+        "--image", nargs="+", action="extend", metavar="IMAGE",
+        help="image file(s) or URL(s); repeatable; default: the bundled demo picture",
+    )
+    gen.add_argument("--no-image", action="store_true", help="text-only prompt")
+    gen.add_argument("--prompt", nargs="+", help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--system", help="system message")
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
+    gen.add_argument(
+        "--verbose", action=argparse.BooleanOptionalAction, default=True,
+        help="print model, images, prompt and speed around the text (default); --no-verbose prints the text only",
+    )
+
+    sub.add_parser(
+        "server", add_help=False, parents=[_server_parser()],
+        help="start mlx-vlm's server, patched (mlx-vlm's server flags)",
+    )
+    sub.add_parser(
+        "convert", add_help=False,
+        help="mlx-vlm's converter, patched (e.g. --hf-path IN --mlx-path OUT -q --q-bits 4)",
+    )
+    run = sub.add_parser(
+        "run",
+        help="run a command with the patch applied in its Python processes",
+        description=(
+            f"Run COMMAND with {AUTOPATCH_ENV}=1: every Python process of this environment it "
+            f"starts applies the patch at startup ({PTH_NAME}), without code changes. Example: "
+            f"{PROG} run -- python -m mlx_vlm.generate --model PATH --image IMG --prompt TEXT"
+        ),
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    info = sub.add_parser("info", help="which cohere_compass implementation is live, and why")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # server and convert hand their remaining flags to mlx-vlm untouched.
+    if argv and argv[0] in ("server", "convert"):
+        command, rest = argv[0], argv[1:]
+        if command == "server":
+            args, rest = _server_parser().parse_known_args(rest)
+        try:
+            return cmd_server(args, rest) if command == "server" else cmd_convert(rest)
+        except CliError as err:
+            print(f"{PROG} {command}: error: {err}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "run":
+            return cmd_run(args.cmd)
+        return cmd_info(args)
+    except CliError as err:
+        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,196 @@
+"""``python -m compass_compat``: generate (default checkpoint, demo picture), convert, info, errors, help."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import compass_compat
+from compass_compat import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("COMPASS_COMPAT_AUTOPATCH", "PYTHONPATH")}
+    env["COMPASS_COMPAT_HOME"] = str(home)
+    return env
+
+
+def run_cli(*args, home: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "compass_compat", *map(str, args)],
+        capture_output=True, text=True, env=cli_env(home), cwd=str(home), timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def main_in_process(capsys, *argv):
+    """(exit code, stdout, stderr) of cli.main, SystemExit (argparse --help) included."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ------------------------------------------------------------------------- generate
+
+
+def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path, monkeypatch, capsys):
+    # The README's command, in a fresh process: build the default checkpoint, generate from the demo picture.
+    first = run_cli("generate", "--max-tokens", "6", home=tmp_path)
+    ckpt = tmp_path / cli.DEFAULT_CHECKPOINT
+    # Building shows progress, on stderr.
+    assert f"building the default checkpoint in {ckpt}" in first.stderr
+    assert "[1/3]" in first.stderr and "[3/3]" in first.stderr and "done:" in first.stderr
+    # The output says the weights are random and which picture was used.
+    assert "RANDOM weights" in first.stdout
+    assert str(cli.DEMO_IMAGE) in first.stdout
+    assert "Generation: 6 tokens" in first.stdout
+    text = first.stdout.split("=" * 10 + "\n")[2].rstrip("\n")
+    assert text.strip(), first.stdout
+    # A real checkpoint folder: CohereLabs layout, real special tokens and chat template.
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model_type"] == "cohere_compass" and "RANDOM" in (ckpt / "README.md").read_text()
+    assert (ckpt / "chat_template.jinja").is_file() and (ckpt / "preprocessor_config.json").is_file()
+    assert cli.default_checkpoint_problem(ckpt) is None
+
+    monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
+    code, out, err = main_in_process(capsys, "generate", "--max-tokens", "6", "--no-verbose")
+    assert code == 0 and "building" not in err
+    assert "RANDOM weights" in err  # --no-verbose: only the text on stdout, the note on stderr
+    assert out == text + "\n"
+
+
+def test_a_damaged_default_checkpoint_is_rebuilt(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
+    ckpt = cli.ensure_default_checkpoint()
+    (ckpt / "config.json").write_text("{}")
+    assert cli.default_checkpoint_problem(ckpt) == "config.json changed since it was built"
+    assert cli.ensure_default_checkpoint() == ckpt
+    assert "config.json changed since it was built" in capsys.readouterr().err
+    assert cli.default_checkpoint_problem(ckpt) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folders left behind"
+
+
+def _reference_text(case, tokenizer_dir: Path) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
+    ids = case["greedy_ids"].tolist()
+    eos = json.loads((tokenizer_dir / "config.json").read_text())["eos_token_id"]
+    if eos in ids:  # mlx-vlm stops there and prints nothing for it
+        ids = ids[: ids.index(eos)]
+    return tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("name", ["img_448", "img_two"])
+def test_generate_prints_the_transformers_greedy_text(capsys, tiny_ckpt_original, reference, fixture_images, name):
+    """The CLI's text for a reference case is the decoded greedy ids transformers recorded."""
+    from vendored import vendored
+
+    vendored()  # the reference is transformers' model; upstream 0.7.10's differs
+    case = reference(name)
+    meta = case["meta"]
+    user = meta["messages"][0]["content"]
+    prompt = user if isinstance(user, str) else next(p["text"] for p in user if p["type"] == "text")
+    images = []
+    for f in meta["images"]:
+        images += ["--image", fixture_images[f]]  # repeated --image, as in mlx-vlm's CLI
+    code, out, err = main_in_process(
+        capsys, "generate", "--model", str(tiny_ckpt_original), *map(str, images), "--prompt", prompt,
+        "--max-tokens", str(len(case["greedy_ids"])), "--temperature", "0", "--no-verbose",
+    )
+    assert code == 0, err
+    assert out.rstrip("\n") == _reference_text(case, tiny_ckpt_original)
+    assert "RANDOM" not in err  # an explicit --model is not labelled as the default
+
+
+# -------------------------------------------------------------------------- convert
+
+
+def test_convert_quantizes_through_the_patched_mlx_vlm_converter(tmp_path, tiny_ckpt_original, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # convert hands its flags to mlx-vlm via sys.argv
+    out = tmp_path / "q4"
+    code, stdout, stderr = main_in_process(
+        capsys, "convert", "--hf-path", str(tiny_ckpt_original), "--mlx-path", str(out),
+        "-q", "--q-bits", "4", "--q-group-size", "64",
+    )
+    assert code == 0, stderr
+    assert "Quantiz" in stdout + stderr  # mlx-vlm's own progress lines
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    code, text, stderr = main_in_process(capsys, "generate", "--model", str(out), "--max-tokens", "4", "--no-verbose")
+    assert code == 0 and text.strip(), stderr
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
+    code, out, _ = main_in_process(capsys, "info", "--json")
+    assert code == 0
+    data = json.loads(out)
+    here = compass_compat.implementation_info()
+    assert data["implementation"] == here.implementation and data["forced"] == here.forced
+    assert data["mlx_vlm_version"] == here.mlx_vlm_version
+    assert data["default_checkpoint"] == str(tmp_path / cli.DEFAULT_CHECKPOINT)
+    assert data["default_checkpoint_state"] == "not built yet"
+    assert [Path(p).name for p in data["startup_hook"]] == ["compass_compat_autopatch.pth"]
+
+
+# --------------------------------------------------------------------- help, errors
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--help"], ["generate", "server", "convert", "run", "info"]),
+        (["generate", "--help"], ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "RANDOM"]),
+        (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
+        (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
+        (["run", "--help"], ["COMPASS_COMPAT_AUTOPATCH", "mlx_vlm.generate"]),
+        (["info", "--help"], ["--json"]),
+    ],
+)
+def test_every_subcommand_has_help(capsys, monkeypatch, argv, words):
+    monkeypatch.setattr(sys, "argv", ["compass_compat"])
+    code, out, _ = main_in_process(capsys, *argv)
+    assert code == 0
+    flat = " ".join(out.split())
+    for word in words:
+        assert word in flat, f"{word!r} missing from {' '.join(argv)}:\n{out}"
+    assert os.environ.get("COMPASS_COMPAT_AUTOPATCH") is None  # help changes nothing
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/nonexistent/ckpt"], "model folder not found: /nonexistent/ckpt"),
+        (["generate", "--model", "{tmp}"], "has no config.json: it is not a model checkpoint folder"),
+        (["generate", "--model", "{ckpt}", "--image", "/nonexistent/pic.png"], "image file not found: /nonexistent/pic.png"),
+        (["generate", "--model", "{ckpt}", "--image", "{ckpt}/config.json", "--no-image"], "--no-image and --image"),
+        (["convert", "--hf-path", "/nonexistent/ckpt", "--mlx-path", "{tmp}/out"], "checkpoint folder not found: /nonexistent/ckpt"),
+        (["convert", "--mlx-path", "{tmp}/out"], "--hf-path is required"),
+        (["server", "--model", "/nonexistent/ckpt", "--port", "1"], "model folder not found: /nonexistent/ckpt"),
+        (["run"], "run needs a command"),
+        (["run", "--", "compass-compat-no-such-command-4711"], "command not found: compass-compat-no-such-command-4711"),
+    ],
+)
+def test_errors_say_what_is_missing(capsys, tmp_path, tiny_ckpt_original, argv, message):
+    argv = [a.format(tmp=tmp_path, ckpt=tiny_ckpt_original) for a in argv]
+    code, out, err = main_in_process(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert err.startswith(f"python -m compass_compat {argv[0]}: error:"), err
+    assert "Traceback" not in err
