@@ -638,8 +638,10 @@ def main() -> None:
     ckpt["torch"] = build_fullsize.ensure_torch_layout(args.dir)
     t_built = time.perf_counter()
 
-    work = pathlib.Path(args.out).parent / ".work"
-    work.mkdir(parents=True, exist_ok=True)
+    import shutil
+    import tempfile
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="compass-bench-"))
     inputs_path = work / "inputs.npz"
     sizes = list(preset["vision_sizes"]) + [preset["ttft_image"]]
     shapes = prepare_inputs(inputs_path, ckpt["bf16"], preset, sizes)
@@ -691,6 +693,7 @@ def main() -> None:
         meta["mlx"], meta["mlx_vlm"] = mx.__version__, mlx_vlm.__version__
     except Exception:  # noqa: BLE001 - informational only
         pass
+    shutil.rmtree(work, ignore_errors=True)
     table = markdown(rows, args.preset, preset, meta)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
