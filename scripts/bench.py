@@ -467,6 +467,15 @@ def prepare_inputs(path: pathlib.Path, checkpoint: pathlib.Path, preset: dict, s
     return {k: (v.shape if hasattr(v, "shape") else v) for k, v in data.items()}
 
 
+def warm_page_cache(folder: pathlib.Path) -> None:
+    tic = time.perf_counter()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
+    log(f"read {folder} into the page cache ({time.perf_counter() - tic:.0f} s)")
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -476,18 +485,24 @@ def run_group(specs, preset, args, inputs_path, results, t_start):
     """Load (load_runs rounds, interleaved), then every metric in interleaved rounds."""
     workers: Dict[str, Worker] = {}
     names = [s[0] for s in specs]
-    for r in range(preset["load_runs"]):
+    # Read every checkpoint once first, so that no implementation pays the disk for the others.
+    for ckpt in sorted({str(s[3]) for s in specs}):
+        warm_page_cache(pathlib.Path(ckpt))
+    # Load rounds: each worker loads alone (the others' resident memory would evict the page
+    # cache of whoever loads last) and exits; the workers that measure start afterwards.
+    for r in range(preset["load_runs"] + 1):
+        timed = r < preset["load_runs"]
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             impl, variant, ckpt = next((s[1], s[2], s[3]) for s in specs if s[0] == name)
-            log(f"load {name} (round {r + 1}/{preset['load_runs']})")
+            log(f"load {name} " + (f"(round {r + 1}/{preset['load_runs']})" if timed else "(to measure)"))
             w = Worker(name, impl, variant, ckpt, inputs_path, preset["vision_blocks"])
-            results[name].setdefault("load_s", []).append(w.load_s)
             results[name]["file"] = w.file
-            if r == preset["load_runs"] - 1:
-                workers[name] = w
-            else:
+            if timed:
+                results[name].setdefault("load_s", []).append(w.load_s)
                 w.close()
+            else:
+                workers[name] = w
     try:
         def rounds(op, runs, key, **kw):
             for r in range(runs):
@@ -611,6 +626,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, help="decode tokens (bf16/fp32) (override)")
     parser.add_argument("--vision-blocks", type=int, help="time the vision tower on its first N blocks (0 = all)")
     parser.add_argument("--ttft-image", type=int, help="side of the square TTFT image (override)")
+    parser.add_argument("--load-runs", type=int, help="load rounds (override)")
     parser.add_argument("--only", nargs="*", choices=COLUMNS, help="run only these implementations")
     parser.add_argument("--skip-images", action="store_true", help="text metrics only")
     parser.add_argument("--dir", help="stand-in checkpoint cache (default: scripts/build_fullsize.py's)")
@@ -628,7 +644,8 @@ def main() -> None:
 
     preset = dict(PRESETS[args.preset])
     for key, value in (("runs", args.runs), ("image_runs", args.image_runs), ("prompt", args.prompt),
-                       ("decode", args.decode), ("vision_blocks", args.vision_blocks), ("ttft_image", args.ttft_image)):
+                       ("decode", args.decode), ("vision_blocks", args.vision_blocks), ("ttft_image", args.ttft_image),
+                       ("load_runs", args.load_runs)):
         if value is not None:
             preset[key] = value
     t_start = time.perf_counter()
