@@ -23,6 +23,7 @@ failure midway undoes what was done and re-raises.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -325,6 +326,24 @@ def is_compass_checkpoint(path: Any) -> bool:
     return isinstance(data, dict) and str(data.get("model_type", "")).lower() == MODEL_TYPE
 
 
+def _unreadable_config(path: Any) -> bool:
+    """True when ``path`` is a local folder whose config.json exists but is not JSON."""
+    try:
+        config = os.path.join(os.fspath(path), "config.json")
+    except TypeError:
+        return False
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            json.load(f)
+    except (UnicodeDecodeError, ValueError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
     module = importlib.import_module(PROCESSING_MODULE)
     processor_cls = getattr(module, PROCESSOR_CLASS, None)
@@ -379,6 +398,37 @@ def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
         # wrapped ours since; ours stays in that chain as an inert pass-through.
 
     undo.append(("restore transformers.AutoProcessor.from_pretrained", restore))
+
+
+def _install_loader_guard(undo: List[_Undo]) -> None:
+    """Check cohere_compass folders before ``mlx_vlm.utils.load_model`` reads anything.
+
+    mlx-vlm's loader reads files a checkpoint names before any model code runs: index
+    shards joined to the folder as given (0.6.12 on) and, from 0.7, config.json's
+    ``model_file``, which it imports. ``validate_checkpoint`` refuses those first.
+    """
+    utils = importlib.import_module("mlx_vlm.utils")
+    original = vars(utils).get("load_model", _MISSING)
+    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
+        return
+    from .checkpoint_checks import validate_checkpoint
+
+    @functools.wraps(original)
+    def load_model(model_path: Any, *args: Any, **kwargs: Any) -> Any:
+        # A config.json that is not JSON cannot say what model it is; the check's error
+        # (a ValueError, as json's own) names the file and what to do.
+        if is_compass_checkpoint(model_path) or _unreadable_config(model_path):
+            validate_checkpoint(model_path)
+        return original(model_path, *args, **kwargs)
+
+    setattr(load_model, TAG, True)
+    utils.load_model = load_model
+
+    def restore() -> None:
+        if vars(utils).get("load_model") is load_model:
+            utils.load_model = original
+
+    undo.append(("restore mlx_vlm.utils.load_model", restore))
 
 
 # ------------------------------------------------------------------- public
@@ -441,6 +491,7 @@ def apply_patch(force_vendored: Optional[bool] = None) -> bool:
             hook = force or not upstream
             if hook:
                 _install_processor_hook(hooks, steps)
+                _install_loader_guard(steps)
         except BaseException:
             _run_undo(steps, hooks.version)
             raise

@@ -33,9 +33,9 @@ load that the processor's call refuses may already have read these):
 The files the processor reads (tokenizer files, ``preprocessor_config.json``, chat
 templates) are checked before they are opened, on every pin; mlx-vlm reads
 ``tokenizer.json`` again only after the processor was built. Nothing here unpickles,
-imports checkpoint code, or honours ``trust_remote_code``. Refusing a folder before
-mlx-vlm's first read needs a pre-load hook in the shim (wrapping
-``mlx_vlm.utils.load_model``); see the issue 9 note.
+imports checkpoint code, or honours ``trust_remote_code``. So that a folder is refused
+before mlx-vlm's first read, the shim wraps ``mlx_vlm.utils.load_model`` to call
+:func:`validate_checkpoint` on cohere_compass folders (whenever the vendored model is live).
 """
 
 from __future__ import annotations

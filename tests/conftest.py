@@ -71,3 +71,25 @@ def reference() -> ReferenceFixtures:
 def fixture_images() -> dict:
     """File name -> path of the synthetic PNGs the reference cases use."""
     return {p.name: p for p in sorted(IMAGES_DIR.glob("*.png"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def split_matmuls_over_cpu_lanes():
+    """In-process model tests take the CPU-lane split path, even for tiny layers.
+
+    That is the path full-size models take on multi-core Linux; subprocess tests
+    (CLI, server) keep the default threshold, so the unsplit path runs too.
+    test_cpu_lanes.py checks split == unsplit bit for bit.
+    """
+    import importlib
+
+    import compass_compat  # noqa: F401  (applies the patch)
+
+    package = importlib.import_module("mlx_vlm.models.cohere_compass")
+    if "/vendor/mlx_vlm/" not in (package.__file__ or "") and "/_vendor/mlx_vlm/" not in (package.__file__ or ""):
+        yield
+        return
+    cpu_lanes = importlib.import_module("mlx_vlm.models.cohere_compass.cpu_lanes")
+    cpu_lanes.configure(2, min_weight_elements=0)
+    yield
+    cpu_lanes.configure(None, min_weight_elements=cpu_lanes._DEFAULT_MIN_ELEMENTS)

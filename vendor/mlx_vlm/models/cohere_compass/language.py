@@ -12,6 +12,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..base import LanguageModelOutput
 from ..cache import KVCache, RotatingKVCache
+from . import cpu_lanes
 from .config import RopeSpec, TextConfig, grid_sequence
 
 
@@ -34,23 +35,21 @@ def _rotate_half(x: mx.array) -> mx.array:
 
 
 def project(layer: nn.Module, x: mx.array) -> mx.array:
-    """``layer(x)``; on the CPU a quantized layer gets float32 activations.
+    """``layer(x)`` (``as_linear`` for embeddings); on the CPU see ``cpu_lanes.linear``.
 
     # compass-compat: MLX's CPU ``quantized_matmul`` is 7-9x slower with bfloat16 or float16
     # activations than with float32 (measured on mlx 0.32, x86-64: a 4-bit 6144x2048 layer
     # takes 254 ms for one bfloat16 token, 36 ms in float32), so on the CPU the activation is
     # cast up for the matmul and the result cast back: the graph around it keeps the model
-    # dtype (KV cache, residual). Metal/CUDA and unquantized layers take ``layer(x)`` unchanged.
+    # dtype (KV cache, residual). Metal/CUDA take ``layer(x)`` unchanged.
     """
     if (
         x.dtype in (mx.bfloat16, mx.float16)
         and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and mx.default_device() == mx.cpu
     ):
-        f32 = x.astype(mx.float32)
-        out = layer.as_linear(f32) if isinstance(layer, nn.QuantizedEmbedding) else layer(f32)
-        return out.astype(x.dtype)
-    return layer.as_linear(x) if isinstance(layer, (nn.Embedding, nn.QuantizedEmbedding)) else layer(x)
+        return cpu_lanes.linear(layer, x.astype(mx.float32)).astype(x.dtype)
+    return cpu_lanes.linear(layer, x)
 
 
 class MultimodalRotary:
@@ -145,7 +144,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         mask = masks.get(L, k.shape[2], self.window)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = cpu_lanes.attention(q, k, v, self.scale, mask)
         return project(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -120,13 +120,60 @@ def flatten_images(images) -> list:
 
 
 def _open_file(path) -> Image.Image:
-    # Same steps as transformers' load_image: EXIF orientation, then plain RGB (no compositing).
+    """The decoded image with EXIF orientation applied, still in the file's mode."""
+    # transformers' load_image then converts to plain RGB (no compositing): see _plain_rgb.
     try:
         with Image.open(path) as im:
             im.load()  # open() is lazy; truncation and decode errors surface here
-            return ImageOps.exif_transpose(im).convert("RGB")
+            return ImageOps.exif_transpose(im)
     except Exception as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
         raise ValueError(f"cannot read image file {os.fspath(path)!r}: {err}") from err
+
+
+def _plain_rgb(image: Image.Image) -> Image.Image:
+    return image.convert("RGB")
+
+
+def _composite_rgb(image: Image.Image) -> Image.Image:
+    # Alpha composited onto white, as the reference's convert_to_rgb.
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+# Images up to this many pixels are converted whole; larger ones band by band.
+_BANDED_MIN_PIXELS = 1 << 22
+_BAND_ROWS = 256
+# PIL runs these filters as two separable passes (horizontal, then vertical).
+_TWO_PASS = {Image.Resampling.BILINEAR, Image.Resampling.BICUBIC, Image.Resampling.LANCZOS,
+             Image.Resampling.BOX, Image.Resampling.HAMMING}
+
+
+def convert_and_resize(image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS,
+                       min_pixels: int = _BANDED_MIN_PIXELS) -> Image.Image:
+    """``convert(image).resize(size, resample)`` without converting a large image whole.
+
+    Converting a huge non-RGB image at full size costs up to four copies of it (RGBA:
+    RGBA copy, white backdrop, composite, RGB). PIL resizes in a horizontal pass that
+    treats each row alone, then a vertical pass; the conversion is per pixel. So
+    converting and horizontally resizing band by band, then running the vertical pass
+    on the narrow result, yields the same bytes as the one-shot call while holding only
+    ``target width x input height`` RGB pixels (tests/test_processor.py compares them).
+    """
+    width, height = image.size
+    if (
+        convert is None
+        or size[0] >= width
+        or width * height < min_pixels
+        or Image.Resampling(resample) not in _TWO_PASS
+    ):
+        rgb = image if convert is None else convert(image)
+        return rgb.resize(size, resample=resample)
+    narrow = Image.new("RGB", (size[0], height))
+    for top in range(0, height, band_rows):
+        band = convert(image.crop((0, top, width, min(height, top + band_rows))))
+        narrow.paste(band.resize((size[0], band.height), resample=resample), (0, top))
+    return narrow if size[1] == height else narrow.resize(size, resample=resample)
 
 
 def _channels_last(array: np.ndarray) -> np.ndarray:
@@ -182,24 +229,23 @@ def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
     return Image.fromarray(np.ascontiguousarray(array), mode="RGB"), scaled
 
 
-def _to_rgb_pil(image, do_convert_rgb: bool):
+def _source(image, do_convert_rgb: bool):
+    """(PIL image, converter to RGB or None, whether values were scaled up from [0, 1])."""
     if isinstance(image, (str, os.PathLike)):
         if str(image).startswith(("http://", "https://")):
             raise ValueError(f"image URLs are not fetched here; load the image first: {image}")
-        return _open_file(image), False
+        opened = _open_file(image)
+        return opened, None if opened.mode == "RGB" else _plain_rgb, False
     if isinstance(image, Image.Image):
         has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
         if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
-            return image, False
+            return image, None, False
         if not do_convert_rgb:
             raise ValueError(f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False")
-        if has_alpha:
-            rgba = image.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(white, rgba).convert("RGB"), False
-        return image.convert("RGB"), False
+        return image, _composite_rgb if has_alpha else _plain_rgb, False
     if isinstance(image, np.ndarray):
-        return _array_to_rgb_pil(image, do_convert_rgb)
+        pil, scaled = _array_to_rgb_pil(image, do_convert_rgb)
+        return pil, None, scaled
     raise ValueError(
         f"unsupported image of type {type(image).__name__}; pass a PIL image, a numpy array or a file path"
     )
@@ -342,11 +388,13 @@ class CohereCompassImageProcessor(BaseImageProcessor):
             array = _rgb_array(image, self.do_convert_rgb)  # no PIL round trip, as in the reference
             self.resized_shape(array.shape[0], array.shape[1])  # sides must already fit
         else:
-            pil, scaled = _to_rgb_pil(image, self.do_convert_rgb)
+            pil, convert, scaled = _source(image, self.do_convert_rgb)
             target_h, target_w = self.resized_shape(pil.height, pil.width)
             if self.do_resize:
                 # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
-                pil = pil.resize((target_w, target_h), resample=self.resample)
+                pil = convert_and_resize(pil, convert, (target_w, target_h), self.resample)
+            elif convert is not None:
+                pil = convert(pil)
             array = np.asarray(pil)
         # float64 product, then float32: the reference's rescale, bit for bit.
         if scaled:

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import cpu_lanes
 from .config import VisionConfig, grid_sequence
 
 # transformers' ACT2FN names -> MLX functions with the same formula.
@@ -27,21 +28,7 @@ _CONV_WEIGHT = "vision_tower.patch_embed.proj.weight"
 
 
 def _dense(layer: nn.Module, x: mx.array) -> mx.array:
-    """``layer(x)``, arranged for MLX's CPU matmul on plain float32 Linears."""
-    # compass-compat: MLX's Linux CPU wheels run float32 matmul on reference BLAS, which
-    # is ~2x slower with a transposed operand (nn.Linear's x @ W.T). W @ x^T keeps both
-    # operands row-contiguous: 2.1x less CPU time per full-size block (mlx 0.32.4).
-    # bfloat16 (not BLAS; measured no gain), quantized layers and GPU keep the layer path.
-    if not (
-        type(layer) is nn.Linear
-        and layer.weight.dtype == mx.float32
-        and mx.default_device() == mx.cpu
-    ):
-        return layer(x)
-    x_t = mx.contiguous(x.T)
-    if "bias" in layer:
-        return mx.addmm(layer.bias[:, None], layer.weight, x_t).T
-    return (layer.weight @ x_t).T
+    return cpu_lanes.linear(layer, x)
 
 
 def _block_activation(name: str):
@@ -124,7 +111,7 @@ class PatchEmbed(nn.Module):
     def __call__(self, pixel_values: mx.array) -> mx.array:
         # kernel == stride, so the conv is one matmul per patch. Reorder the weight from
         # MLX [O, T, P, P, C] to [C*T*P*P, O] (the processor's flattening) as a contiguous
-        # copy: a transposed operand is slow on CPU BLAS (see _dense).
+        # copy: a transposed operand is slow on CPU BLAS (see cpu_lanes._rows).
         weight = self.proj.weight
         weight = weight.transpose(4, 1, 2, 3, 0).reshape(-1, weight.shape[0])
         x = pixel_values.reshape(-1, weight.shape[0]).astype(weight.dtype)
@@ -154,7 +141,7 @@ class Attention(nn.Module):
                 .transpose(0, 2, 1, 3)
                 for a in (q, k, v)
             ]
-            o = mx.fast.scaled_dot_product_attention(*seg, scale=self.scale)
+            o = cpu_lanes.attention(*seg, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return _dense(self.proj, out)

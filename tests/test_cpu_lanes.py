@@ -1,0 +1,139 @@
+"""CPU lanes: a split matmul or attention equals the unsplit call bit for bit."""
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from parity import prefill
+from vendored import vendored
+
+cpu_lanes = vendored("cpu_lanes")
+
+
+@pytest.fixture
+def lanes():
+    """Yield a setter ``lanes(count)`` (threshold 0 so tiny layers split); restores after."""
+    saved = (cpu_lanes._count, cpu_lanes._min_elements)
+
+    def set_lanes(count: int) -> None:
+        cpu_lanes.configure(count, min_weight_elements=0)
+
+    yield set_lanes
+    cpu_lanes._count, cpu_lanes._min_elements = saved
+
+
+def _both(lanes, fn):
+    lanes(1)
+    one = fn()
+    mx.eval(one)
+    lanes(3)  # uneven split on purpose: 3 lanes over sizes that do not divide by 3
+    split = fn()
+    mx.eval(split)
+    return one, split
+
+
+def _layers():
+    mx.random.seed(3)
+    layers = {
+        "linear_bias_bf16": nn.Linear(96, 200, bias=True),
+        "linear_fp32": nn.Linear(96, 200, bias=False),
+        "linear_bias_fp32": nn.Linear(96, 200, bias=True),
+        "embedding_fp32": nn.Embedding(200, 96),
+    }
+    layers["linear_bias_bf16"].set_dtype(mx.bfloat16)
+    q4 = nn.Linear(128, 200, bias=True)
+    layers["quantized_4bit"] = nn.QuantizedLinear.from_linear(q4, group_size=64, bits=4)
+    q8 = nn.Linear(128, 200, bias=False)
+    layers["quantized_8bit"] = nn.QuantizedLinear.from_linear(q8, group_size=32, bits=8)
+    layers["quantized_embedding"] = nn.QuantizedEmbedding.from_embedding(nn.Embedding(200, 128), 64, 4)
+    return layers
+
+
+@pytest.mark.parametrize("name", sorted(_layers()))
+@pytest.mark.parametrize("shape", [(7,), (2, 5)], ids=["2d", "3d"])
+def test_split_linear_is_bit_identical(lanes, name, shape):
+    layer = _layers()[name]
+    dim = layer["weight"].shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
+    dtype = mx.bfloat16 if name.endswith("bf16") else mx.float32
+    x = mx.random.normal(shape + (dim,), key=mx.random.key(1)).astype(dtype)
+    one, split = _both(lanes, lambda: cpu_lanes.linear(layer, x))
+    assert one.shape == shape + (200,)
+    assert mx.array_equal(one, split).item(), f"{name}: split differs by {mx.abs(one - split).max().item()}"
+    # And the unsplit path is the layer's own call.
+    plain = layer.as_linear(x) if "embedding" in name else layer(x)
+    assert mx.allclose(one, plain, atol=1e-5, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "mask", [None, "causal", "array"], ids=["no-mask", "causal", "bool-array"]
+)
+def test_split_attention_is_bit_identical(lanes, mask):
+    key = mx.random.key(5)
+    q = mx.random.normal((1, 8, 9, 16), key=key)
+    k = mx.random.normal((1, 4, 9, 16), key=mx.random.key(6))
+    v = mx.random.normal((1, 4, 9, 16), key=mx.random.key(7))
+    if mask == "array":
+        mask = mx.tril(mx.ones((9, 9), dtype=mx.bool_))
+    one, split = _both(lanes, lambda: cpu_lanes.attention(q, k, v, 0.25, mask))
+    assert mx.array_equal(one, split).item()
+    assert mx.allclose(one, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)).item()
+
+
+@pytest.mark.parametrize("case", ["text_long", "img_two"])
+def test_split_model_logits_equal_unsplit_and_reference(lanes, tiny_ckpt_mlx, reference, case):
+    from mlx_vlm.utils import load_model
+
+    model = load_model(tiny_ckpt_mlx)
+    ref = reference(case)
+    one, split = _both(lanes, lambda: prefill(model, ref))
+    assert mx.array_equal(one, split).item()
+    assert np.abs(np.array(split) - ref["prefill_logits"]).max() < 1e-4
+
+
+def test_threads_share_lanes(lanes, tiny_ckpt_mlx, reference):
+    from mlx_vlm.utils import load_model
+
+    ref = reference("img_448")
+    lanes(2)
+    expected = np.array(prefill(load_model(tiny_ckpt_mlx), ref))
+    results, errors = {}, []
+
+    def run(i):
+        # MLX arrays belong to the thread's streams: each thread loads its own model.
+        try:
+            results[i] = np.array(prefill(load_model(tiny_ckpt_mlx), ref))
+        except Exception as exc:  # reported below with the thread number
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i in range(4):
+        np.testing.assert_array_equal(results[i], expected)
+
+
+def test_lane_count_from_environment(monkeypatch, lanes):
+    monkeypatch.setenv(cpu_lanes.LANES_ENV, "1")
+    assert cpu_lanes.configure() == 1
+    assert cpu_lanes.lanes(1 << 30) == ()
+    monkeypatch.setenv(cpu_lanes.LANES_ENV, "2")
+    assert cpu_lanes.configure() == 2
+    assert len(cpu_lanes.lanes(1 << 30)) == 2
+    for bad in ("zero", "0", "-2"):
+        monkeypatch.setenv(cpu_lanes.LANES_ENV, bad)
+        with pytest.raises(ValueError, match=cpu_lanes.LANES_ENV):
+            cpu_lanes.configure()
+    with pytest.raises(ValueError, match="1 or more"):
+        cpu_lanes.configure(0)
+
+
+def test_small_layers_are_not_split(lanes):
+    cpu_lanes.configure(2, min_weight_elements=1 << 20)
+    assert cpu_lanes.lanes((1 << 20) - 1) == ()
+    assert len(cpu_lanes.lanes(1 << 20)) == 2
