@@ -137,3 +137,22 @@ def test_small_layers_are_not_split(lanes):
     cpu_lanes.configure(2, min_weight_elements=1 << 20)
     assert cpu_lanes.lanes((1 << 20) - 1) == ()
     assert len(cpu_lanes.lanes(1 << 20)) == 2
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_quantized_layer_in_small_chained_pieces_is_bit_identical(lanes, monkeypatch, count):
+    """bfloat16 scales with float32 activations: pieces small enough to keep casts in flight low."""
+    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(512, 128), 64, 4)
+    embedding.set_dtype(mx.bfloat16)  # scales and biases, as in a converted bf16 checkpoint
+    assert embedding["scales"].dtype == mx.bfloat16
+    x = mx.random.normal((3, 128), key=mx.random.key(9))
+    whole = embedding.as_linear(x)
+    lanes(count)
+    monkeypatch.setattr(cpu_lanes, "_MAX_CAST_BYTES", 512 * 2 * 2 * 4 // 8)  # -> 8 pieces in all
+    calls = []
+    original = mx.quantized_matmul
+    monkeypatch.setattr(cpu_lanes.mx, "quantized_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+    split = cpu_lanes.linear(embedding, x)
+    mx.eval(split)
+    assert len(calls) == 8
+    assert mx.array_equal(whole, split).item()

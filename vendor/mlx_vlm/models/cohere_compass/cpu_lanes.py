@@ -28,6 +28,8 @@ import mlx.nn as nn
 LANES_ENV = "COMPASS_COMPAT_CPU_LANES"
 # Below this many weight elements a split costs more in scheduling than it saves.
 _DEFAULT_MIN_ELEMENTS = 1 << 20
+# Float32 copies of a quantized layer's scales and biases allowed in flight per lane.
+_MAX_CAST_BYTES = 1 << 18
 _MAX_DEFAULT_LANES = 8
 
 _lock = threading.Lock()
@@ -43,7 +45,9 @@ def _default_count() -> int:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(f"{LANES_ENV}={raw!r}: expected a whole number of CPU lanes (1 = off)") from None
+            raise ValueError(
+                f"{LANES_ENV}={raw!r}: expected a whole number of CPU lanes (1 = off)"
+            ) from None
         if value < 1:
             raise ValueError(f"{LANES_ENV}={raw!r}: expected 1 or more (1 = off)")
         return value
@@ -74,7 +78,6 @@ def configure(count: Optional[int] = None, min_weight_elements: Optional[int] = 
 
 def lanes(weight_elements: int) -> Sequence[mx.Stream]:
     """The CPU streams to split a computation over, or ``()`` to run it unsplit."""
-    global _count
     if weight_elements < _min_elements or mx.default_device() != mx.cpu:
         return ()
     if _count is None:
@@ -96,16 +99,26 @@ def _bounds(total: int, parts: int) -> List[int]:
     return [min(total, i * step) for i in range(parts)] + [total]
 
 
-def _rows(layer: nn.Module, x: mx.array, a: int, b: int) -> mx.array:
-    """Output columns ``a:b`` of ``layer`` applied to ``x``, with the layer's own kernel."""
+def _rows(layer: nn.Module, x: mx.array, a: int, b: int, after: Optional[mx.array] = None) -> mx.array:
+    """Output columns ``a:b`` of ``layer`` applied to ``x``, with the layer's own kernel.
+
+    ``after``: for quantized layers, an array the piece's scales wait for (see ``linear``).
+    """
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        scales = layer["scales"][a:b]
         biases = layer.get("biases")
+        biases = None if biases is None else biases[a:b]
+        if after is not None:
+            scales, biases = (
+                mx.depends([scales, biases], [after]) if biases is not None
+                else (mx.depends([scales], [after])[0], None)
+            )
         kwargs = {"mode": layer.mode} if hasattr(layer, "mode") else {}
         out = mx.quantized_matmul(
             x,
             layer["weight"][a:b],
-            scales=layer["scales"][a:b],
-            biases=None if biases is None else biases[a:b],
+            scales=scales,
+            biases=biases,
             transpose=True,
             group_size=layer.group_size,
             bits=layer.bits,
@@ -133,27 +146,46 @@ def _whole(layer: nn.Module, x: mx.array) -> mx.array:
     return layer(x)
 
 
-def linear(layer: nn.Module, x: mx.array) -> mx.array:
+def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) -> mx.array:
     """``layer(x)`` (``as_linear`` for embeddings), arranged for MLX's CPU backend.
 
     Handles ``nn.Linear``, ``nn.QuantizedLinear``, ``nn.Embedding`` and
     ``nn.QuantizedEmbedding``; other modules, and every module off the CPU, are
-    called as is.
+    called as is. ``out_dtype``: cast the result (piece by piece, so the uncast
+    whole never exists).
     """
     if type(layer) not in _SPLITTABLE or mx.default_device() != mx.cpu:
-        return _whole(layer, x)
+        out = _whole(layer, x)
+        return out if out_dtype is None else out.astype(out_dtype)
     weight = layer["weight"]
     packed = 32 // layer.bits if hasattr(layer, "bits") else 1
     streams = lanes(weight.size * packed) or (None,)
-    cuts = _bounds(weight.shape[0], len(streams))
-    parts = []
-    for stream, a, b in zip(streams, cuts, cuts[1:]):
-        if b > a:
-            if stream is None:
-                parts.append(_rows(layer, x, a, b))
-                continue
+    pieces = len(streams)
+    chained = False
+    if packed > 1 and x.dtype == mx.float32 and layer["scales"].dtype != mx.float32:
+        # quantized_matmul casts the piece's scales and biases to float32 first; for the tied
+        # head (256000 rows) that is 66 MB at once. Small pieces, each lane's waiting for its
+        # previous one, keep the casts in flight to a few MB at unchanged speed.
+        cast_bytes = 2 * layer["scales"].size * 4
+        per_lane = max(1, -(-cast_bytes // (_MAX_CAST_BYTES * pieces)))
+        chained = per_lane > 1
+        pieces *= per_lane
+    cuts = _bounds(weight.shape[0], pieces)
+    parts: List[mx.array] = []
+    last = [None] * len(streams)
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        if b <= a:
+            continue
+        lane = i % len(streams)
+        stream = streams[lane]
+        after = last[lane] if chained else None
+        if stream is None:
+            part = _rows(layer, x, a, b, after)
+        else:
             with mx.stream(stream):
-                parts.append(_rows(layer, x, a, b))
+                part = _rows(layer, x, a, b, after)
+        last[lane] = part
+        parts.append(part if out_dtype is None else part.astype(out_dtype, stream=stream))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
@@ -166,7 +198,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
     """
     hq, hkv = q.shape[1], k.shape[1]
     work = q.shape[2] * k.shape[2] * q.shape[3] * hq
-    streams = lanes(work) if hkv > 1 and (mask is None or isinstance(mask, str) or mask.ndim < 3 or mask.shape[-3] == 1) else ()
+    per_head_mask = isinstance(mask, mx.array) and mask.ndim >= 3 and mask.shape[-3] != 1
+    streams = lanes(work) if hkv > 1 and not per_head_mask else ()
     if not streams:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     group = hq // hkv

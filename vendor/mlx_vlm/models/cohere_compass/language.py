@@ -48,7 +48,7 @@ def project(layer: nn.Module, x: mx.array) -> mx.array:
         and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and mx.default_device() == mx.cpu
     ):
-        return cpu_lanes.linear(layer, x.astype(mx.float32)).astype(x.dtype)
+        return cpu_lanes.linear(layer, x.astype(mx.float32), out_dtype=x.dtype)
     return cpu_lanes.linear(layer, x)
 
 
