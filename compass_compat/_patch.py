@@ -309,39 +309,33 @@ def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) 
     undo.append((f"restore mlx_vlm.prompt_utils.MODEL_CONFIG[{MODEL_TYPE!r}]", restore))
 
 
-def is_compass_checkpoint(path: Any) -> bool:
-    """True when ``path`` is a local folder whose config.json says ``cohere_compass``."""
-    try:
-        folder = os.fspath(path)
-    except TypeError:
-        return False
-    config = os.path.join(folder, "config.json")
-    if not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False  # not recognisably ours; the original loader reports its own error
-    return isinstance(data, dict) and str(data.get("model_type", "")).lower() == MODEL_TYPE
+_UNREADABLE = object()
 
 
-def _unreadable_config(path: Any) -> bool:
-    """True when ``path`` is a local folder whose config.json exists but is not JSON."""
+def _local_config(path: Any) -> Any:
+    """config.json of a local folder: the parsed value, None if absent, or _UNREADABLE."""
     try:
         config = os.path.join(os.fspath(path), "config.json")
     except TypeError:
-        return False
+        return None
     if not os.path.isfile(config):
-        return False
+        return None
     try:
         with open(config, encoding="utf-8") as f:
-            json.load(f)
+            return json.load(f)
     except (UnicodeDecodeError, ValueError):
-        return True
+        return _UNREADABLE
     except OSError:
-        return False
-    return False
+        return None
+
+
+def _says_compass(data: Any) -> bool:
+    return isinstance(data, dict) and str(data.get("model_type", "")).lower() == MODEL_TYPE
+
+
+def is_compass_checkpoint(path: Any) -> bool:
+    """True when ``path`` is a local folder whose config.json says ``cohere_compass``."""
+    return _says_compass(_local_config(path))
 
 
 def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -417,7 +411,8 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
     def load_model(model_path: Any, *args: Any, **kwargs: Any) -> Any:
         # A config.json that is not JSON cannot say what model it is; the check's error
         # (a ValueError, as json's own) names the file and what to do.
-        if is_compass_checkpoint(model_path) or _unreadable_config(model_path):
+        config = _local_config(model_path)
+        if config is _UNREADABLE or _says_compass(config):
             validate_checkpoint(model_path)
         return original(model_path, *args, **kwargs)
 

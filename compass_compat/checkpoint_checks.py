@@ -20,8 +20,8 @@ Where it runs: hosts can call it before ``mlx_vlm.load``; the vendored processor
 ``from_pretrained`` also calls it (with ``require_weights=False``) whenever compass-compat
 built the processor, which is part of every ``mlx_vlm.load`` of a cohere_compass folder.
 
-What mlx-vlm's own ``load_model`` reads before any compass-compat code runs, per pin (so a
-load that the processor's call refuses may already have read these):
+What mlx-vlm's own ``load_model`` reads first, per pin; the shim's loader guard (see below)
+runs this check before it, so a refused folder has had none of these read:
 
 - every pin: ``config.json``; every ``*.safetensors`` in the folder, following symlinks
   (tensor data is read when ``load`` evaluates the parameters);

@@ -85,8 +85,9 @@ def split_matmuls_over_cpu_lanes():
 
     import compass_compat  # noqa: F401  (applies the patch)
 
-    package = importlib.import_module("mlx_vlm.models.cohere_compass")
-    if "/vendor/mlx_vlm/" not in (package.__file__ or "") and "/_vendor/mlx_vlm/" not in (package.__file__ or ""):
+    from vendored import PACKAGE, is_vendored_file
+
+    if not is_vendored_file(importlib.import_module(PACKAGE).__file__ or ""):
         yield
         return
     cpu_lanes = importlib.import_module("mlx_vlm.models.cohere_compass.cpu_lanes")

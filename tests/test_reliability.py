@@ -435,8 +435,7 @@ def test_symlinked_weights_outside_the_folder_are_refused(tiny_ckpt_original, tm
                r"checkpoint folder; .*copy the file into the folder")
     with pytest.raises(CheckpointError, match=message):
         validate_checkpoint(folder)
-    # mlx-vlm globs and reads the weights before any compass-compat code runs (every pin);
-    # the processor's check then refuses the load, so no model built from them is returned.
+    # The shim's loader guard refuses the folder before mlx-vlm globs and reads the weights.
     with pytest.raises(CheckpointError, match=message):
         load(folder)
 
@@ -463,8 +462,8 @@ def test_index_shard_paths_cannot_leave_the_folder(tiny_ckpt_original, tmp_path,
                r"outside the checkpoint folder")
     with pytest.raises(CheckpointError, match=message):
         validate_checkpoint(folder)
-    # mlx-vlm >= 0.6 reads the shards an index names (here the outside file); 0.3.9 / 0.4.4
-    # glob the folder. Either way the processor's check refuses the load.
+    # mlx-vlm >= 0.6 would read the shards an index names (here the outside file); the shim's
+    # loader guard refuses the folder first.
     with pytest.raises(CheckpointError, match=message):
         load(folder)
 

@@ -27,10 +27,6 @@ _LN_EPS = 1e-6
 _CONV_WEIGHT = "vision_tower.patch_embed.proj.weight"
 
 
-def _dense(layer: nn.Module, x: mx.array) -> mx.array:
-    return cpu_lanes.linear(layer, x)
-
-
 def _block_activation(name: str):
     try:
         return _BLOCK_ACTIVATIONS[name]
@@ -129,7 +125,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, runs) -> mx.array:
         n, dim = x.shape
-        qkv = _dense(self.qkv, x).reshape(n, 3, self.num_heads, self.head_dim)
+        qkv = cpu_lanes.linear(self.qkv, x).reshape(n, 3, self.num_heads, self.head_dim)
         qk = _rotate(qkv[:, :2], cos, sin).astype(x.dtype)
         q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
         outs = []
@@ -144,7 +140,7 @@ class Attention(nn.Module):
             o = cpu_lanes.attention(*seg, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return _dense(self.proj, out)
+        return cpu_lanes.linear(self.proj, out)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -163,7 +159,7 @@ class MLP(nn.Module):
         self.act = _block_activation(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _dense(self.linear_fc2, self.act(_dense(self.linear_fc1, x)))
+        return cpu_lanes.linear(self.linear_fc2, self.act(cpu_lanes.linear(self.linear_fc1, x)))
 
 
 class VisionBlock(nn.Module):
@@ -197,7 +193,7 @@ class PatchMerger(nn.Module):
             x = self.norm(x.reshape(-1, self._merged))
         else:
             x = self.norm(x).reshape(-1, self._merged)
-        return _dense(self.linear_fc2, nn.gelu(_dense(self.linear_fc1, x)))
+        return cpu_lanes.linear(self.linear_fc2, nn.gelu(cpu_lanes.linear(self.linear_fc1, x)))
 
 
 class VisionModel(nn.Module):
