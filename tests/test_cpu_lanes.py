@@ -82,6 +82,75 @@ def test_split_attention_is_bit_identical(lanes, mask):
     assert mx.allclose(one, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)).item()
 
 
+def _attention_inputs(hq, hkv, length, keys, dim, dtype):
+    q = mx.random.normal((2, hq, length, dim), key=mx.random.key(11)).astype(dtype)
+    k = mx.random.normal((2, hkv, keys, dim), key=mx.random.key(12)).astype(dtype)
+    v = mx.random.normal((2, hkv, keys, dim), key=mx.random.key(13)).astype(dtype)
+    return q, k, v
+
+
+_MASKS = {
+    "none": lambda L, S: None,
+    # Causal over the last L of S keys, as the decoder builds it with a cache.
+    "causal-2d": lambda L, S: mx.arange(S)[None] <= mx.arange(S - L, S)[:, None],
+    "window-4d": lambda L, S: (
+        (mx.arange(S)[None] <= mx.arange(S - L, S)[:, None])
+        & (mx.arange(S)[None] > mx.arange(S - L, S)[:, None] - 37)
+    )[None, None],
+    # Padding only: one row broadcast over every query.
+    "padding": lambda L, S: (mx.arange(S) >= 5)[None, None, None, :],
+    "per-head-additive": lambda L, S: mx.random.normal((1, 8, L, S), key=mx.random.key(14)),
+}
+
+
+@pytest.mark.parametrize("mask_kind", sorted(_MASKS))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("count", [1, 3])
+def test_attention_in_query_blocks_is_bit_identical(lanes, monkeypatch, mask_kind, dtype, count):
+    q, k, v = _attention_inputs(8, 4, 100, 130, 16, dtype)
+    mask = _MASKS[mask_kind](100, 130)
+    if mask is not None and mask.dtype != mx.bool_:
+        mask = mask.astype(dtype)  # an additive mask must match the activations
+    whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    lanes(count)
+    monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # the smallest blocks: 32 rows
+    calls = []
+    original = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(
+        cpu_lanes.mx.fast, "scaled_dot_product_attention",
+        lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
+    )
+    blocked = cpu_lanes.attention(q, k, v, 0.25, mask)
+    mx.eval(blocked)
+    # 100 queries -> 4 blocks (32, 32, 32, 4) per head group.
+    assert sorted({shape[2] for shape in calls}) == [4, 32]
+    assert mx.array_equal(whole, blocked).item()
+
+
+def test_attention_blocks_bound_peak_memory(lanes, monkeypatch):
+    """The scores of all blocks never exist at once (MLX queues ~10 ops ahead of its kernels)."""
+    q, k, v = _attention_inputs(16, 16, 1536, 1536, 16, mx.float32)
+    q, k, v = q[:1], k[:1], v[:1]
+    mx.eval(q, k, v)
+    scores = 16 * 1536 * 1536 * 4  # heads x queries x keys, float32: 144 MiB
+
+    def peak(budget):
+        monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", budget)
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = cpu_lanes.attention(q, k, v, 0.25)
+        mx.eval(out)
+        return mx.get_peak_memory() - base
+
+    for count in (1, 2):
+        lanes(count)
+        whole = peak(1 << 40)
+        blocked = peak(1)  # 32-row blocks of 3 MiB (one lane) or 1.5 MiB (two)
+        assert whole >= scores, (count, whole)
+        assert blocked < scores // 3, (count, blocked)
+
+
 @pytest.mark.parametrize("case", ["text_long", "img_two"])
 def test_split_model_logits_equal_unsplit_and_reference(lanes, tiny_ckpt_mlx, reference, case):
     from mlx_vlm.utils import load_model

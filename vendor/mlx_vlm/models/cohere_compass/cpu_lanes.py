@@ -7,7 +7,8 @@ stream per core runs the pieces in parallel; every output element is computed
 by the same kernel over the same inputs, so results are bit-identical to the
 unsplit call (tests/test_cpu_lanes.py). Measured on a 2-core x86-64 machine,
 mlx 0.32.4: a bfloat16 2048->6144 projection 10.0 -> 5.8 ms for one token and
-590 -> 290 ms for 128 tokens.
+590 -> 290 ms for 128 tokens. Attention also takes its queries in blocks on the
+CPU, whatever the lane count, so the scores it materialises stay small.
 
 Chosen by device: only when MLX's default device is the CPU. Metal/CUDA take the
 plain layer call. The lane count defaults to the cores this process may use on
@@ -17,6 +18,7 @@ Linux and to 1 elsewhere (macOS CPU BLAS is already multi-threaded);
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -30,6 +32,8 @@ LANES_ENV = "COMPASS_COMPAT_CPU_LANES"
 _DEFAULT_MIN_ELEMENTS = 1 << 20
 # Float32 copies of a quantized layer's scales and biases allowed in flight per lane.
 _MAX_CAST_BYTES = 1 << 18
+# Attention scores (float32) per block of queries (at least 32 rows); see ``attention``.
+_MAX_SCORE_BYTES = 1 << 22
 _MAX_DEFAULT_LANES = 8
 
 _lock = threading.Lock()
@@ -190,27 +194,54 @@ def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) 
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention`` with heads split over CPU lanes.
+    """``mx.fast.scaled_dot_product_attention``, arranged for MLX's CPU backend.
 
-    q is [B, Hq, L, D], k/v [B, Hkv, S, D]; each lane takes whole KV-head groups so
-    grouped-query attention stays grouped. ``mask`` is None, a string or an array
-    broadcastable over heads (size 1 on the head axis).
+    q is [B, Hq, L, D], k/v [B, Hkv, S, D]. On the CPU, heads are split over the
+    lanes (whole KV-head groups, so grouped-query attention stays grouped) and
+    each lane takes its queries in blocks: the CPU kernel materialises the
+    [heads, queries, keys] scores, 630 MB for one 896x896 image, and per block
+    they stay under ``_MAX_SCORE_BYTES``. Rows are independent, so the result is
+    bit-identical to the whole call. ``mask`` is None, a string, or an array
+    broadcastable to [B, Hq, L, S].
     """
-    hq, hkv = q.shape[1], k.shape[1]
-    work = q.shape[2] * k.shape[2] * q.shape[3] * hq
-    per_head_mask = isinstance(mask, mx.array) and mask.ndim >= 3 and mask.shape[-3] != 1
-    streams = lanes(work) if hkv > 1 and not per_head_mask else ()
-    if not streams:
+    if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    batch, hq, length, _ = q.shape
+    hkv, keys = k.shape[1], k.shape[2]
+    arr = isinstance(mask, mx.array)
+    per_head_mask = arr and mask.ndim >= 3 and mask.shape[-3] != 1
+    streams = lanes(length * keys * q.shape[3] * hq) if hkv > 1 and not per_head_mask else ()
+    cuts = _bounds(hkv, min(len(streams), hkv)) if streams else [0, hkv]
     group = hq // hkv
-    cuts = _bounds(hkv, min(len(streams), hkv))
+    # A string mask ("causal") is aligned to the last query, so it cannot be cut by rows.
+    rows = length
+    if not isinstance(mask, str):
+        row_bytes = batch * max(b - a for a, b in zip(cuts, cuts[1:])) * group * keys * 4
+        rows = max(32, _MAX_SCORE_BYTES // row_bytes // 32 * 32)
+    if not streams and rows >= length:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    by_row = arr and mask.ndim >= 2 and mask.shape[-2] != 1
     parts = []
-    for stream, a, b in zip(streams, cuts, cuts[1:]):
-        if b > a:
-            with mx.stream(stream):
-                parts.append(
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        if b <= a:
+            continue
+        with mx.stream(streams[i]) if streams else contextlib.nullcontext():
+            blocks: List[mx.array] = []
+            for r in range(0, length, rows):
+                qb = q[:, a * group : b * group, r : r + rows]
+                if blocks:
+                    # MLX allocates an op's output when it queues the op, ahead of the
+                    # kernels; unchained, every block's scores were allocated at once
+                    # (measured), chained about ten.
+                    qb = mx.depends([qb], [blocks[-1]])[0]
+                blocks.append(
                     mx.fast.scaled_dot_product_attention(
-                        q[:, a * group : b * group], k[:, a:b], v[:, a:b], scale=scale, mask=mask
+                        qb,
+                        k[:, a:b],
+                        v[:, a:b],
+                        scale=scale,
+                        mask=mask[..., r : r + rows, :] if by_row else mask,
                     )
                 )
+            parts.append(blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=2))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
