@@ -64,7 +64,7 @@ PRESETS = {
     ),
     "cpu": dict(
         prompt=12, decode=6, prompt_4bit=3, decode_4bit=2, vision_sizes=[448, 896],
-        vision_blocks=1, ttft_image=128, runs=3, image_runs=2, load_runs=2,
+        vision_blocks=1, ttft_image=128, runs=3, image_runs=2, load_runs=3,
     ),
 }
 
