@@ -199,10 +199,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
     q is [B, Hq, L, D], k/v [B, Hkv, S, D]. On the CPU, heads are split over the
     lanes (whole KV-head groups, so grouped-query attention stays grouped) and
     each lane takes its queries in blocks: the CPU kernel materialises the
-    [heads, queries, keys] scores, 630 MB for one 896x896 image, and per block
-    they stay under ``_MAX_SCORE_BYTES``. Rows are independent, so the result is
-    bit-identical to the whole call. ``mask`` is None, a string, or an array
-    broadcastable to [B, Hq, L, S].
+    [heads, queries, keys] scores, 630 MB for one 896x896 image, and a block
+    holds about ``_MAX_SCORE_BYTES`` of them (at least 32 rows). Rows are
+    independent, so the result is bit-identical to the whole call. ``mask`` is
+    None, a string, or an array broadcastable to [B, Hq, L, S].
     """
     if mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
