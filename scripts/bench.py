@@ -325,8 +325,10 @@ def worker_main(args) -> None:
         out.flush()
 
     try:
-        inputs = dict(np.load(args.inputs))
-        inputs["image_token_id"] = int(inputs["image_token_id"])
+        inputs = {}  # none: a worker that only loads (scripts/measure_load.py)
+        if args.inputs:
+            inputs = dict(np.load(args.inputs))
+            inputs["image_token_id"] = int(inputs["image_token_id"])
         if args.worker == "torch":
             runner = TorchRunner(args.variant, args.checkpoint, inputs, args.vision_blocks)
         else:
@@ -356,7 +358,9 @@ class Worker:
             env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", impl, "--variant", variant,
-               "--checkpoint", str(checkpoint), "--inputs", str(inputs_path), "--vision-blocks", str(vision_blocks)]
+               "--checkpoint", str(checkpoint), "--vision-blocks", str(vision_blocks)]
+        if inputs_path is not None:
+            cmd += ["--inputs", str(inputs_path)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
         loaded = self._read()
         self.load_s, self.file = loaded["load_s"], loaded["file"]
@@ -496,8 +500,7 @@ def run_group(specs, preset, args, inputs_path, results, t_start):
     # The first load after the warm-up pays for the kernel reclaiming memory (measured: 8.0 and
     # 8.1 s against 2.5-6 s for the same load later), so one untimed load goes first.
     log(f"load {names[0]} (untimed, settles memory after the warm-up)")
-    settle = next(s for s in specs if s[0] == names[0])
-    Worker(names[0], settle[1], settle[2], settle[3], inputs_path, preset["vision_blocks"]).close()
+    Worker(*specs[0], inputs_path, preset["vision_blocks"]).close()
     # Load rounds: each worker loads alone (the others' resident memory would evict the page
     # cache of whoever loads last) and exits; the workers that measure start afterwards.
     for r in range(preset["load_runs"] + 1):

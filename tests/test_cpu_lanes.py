@@ -82,10 +82,10 @@ def test_split_attention_is_bit_identical(lanes, mask):
     assert mx.allclose(one, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)).item()
 
 
-def _attention_inputs(hq, hkv, length, keys, dim, dtype):
-    q = mx.random.normal((2, hq, length, dim), key=mx.random.key(11)).astype(dtype)
-    k = mx.random.normal((2, hkv, keys, dim), key=mx.random.key(12)).astype(dtype)
-    v = mx.random.normal((2, hkv, keys, dim), key=mx.random.key(13)).astype(dtype)
+def _attention_inputs(hq, hkv, length, keys, dim, dtype, batch=2):
+    q = mx.random.normal((batch, hq, length, dim), key=mx.random.key(11)).astype(dtype)
+    k = mx.random.normal((batch, hkv, keys, dim), key=mx.random.key(12)).astype(dtype)
+    v = mx.random.normal((batch, hkv, keys, dim), key=mx.random.key(13)).astype(dtype)
     return q, k, v
 
 
@@ -129,8 +129,7 @@ def test_attention_in_query_blocks_is_bit_identical(lanes, monkeypatch, mask_kin
 
 def test_attention_blocks_bound_peak_memory(lanes, monkeypatch):
     """The scores of all blocks never exist at once (MLX queues ~10 ops ahead of its kernels)."""
-    q, k, v = _attention_inputs(16, 16, 1536, 1536, 16, mx.float32)
-    q, k, v = q[:1], k[:1], v[:1]
+    q, k, v = _attention_inputs(16, 16, 1536, 1536, 16, mx.float32, batch=1)
     mx.eval(q, k, v)
     scores = 16 * 1536 * 1536 * 4  # heads x queries x keys, float32: 144 MiB
 
