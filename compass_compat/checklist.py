@@ -766,6 +766,8 @@ def check_cached_replay(ctx: Context, item: Item) -> ItemResult:
             row["max_abs"] = _max_abs(uncached, replay) if uncached.shape == replay.shape else float("inf")
             deepstack = _deepstack_of(encoded)
             row["deepstack_shape"] = None if deepstack is None else list(np.array(deepstack).shape)
+            if hasattr(encoded, "shape") and not isinstance(encoded, dict):
+                row["features_shape"] = list(encoded.shape)
         except Exception as exc:  # the error is the evidence
             row["error"] = _error_text(exc)
         rows.append(row)
@@ -780,7 +782,11 @@ def check_cached_replay(ctx: Context, item: Item) -> ItemResult:
         else "[" + ", ".join([str(r["deepstack_shape"][0]), "N"] + [str(d) for d in r["deepstack_shape"][2:]]) + "]"
         for r in rows if "deepstack_shape" in r
     }
-    parts.append(f"deepstack in encode_image's output: {', '.join(sorted(shapes)) or 'none'}")
+    arrays = {f"[N, {r['features_shape'][-1]}]" for r in rows if "features_shape" in r}
+    if arrays:
+        parts.append(f"encode_image returns one array {', '.join(sorted(arrays))} (deepstack in its columns)")
+    else:
+        parts.append(f"deepstack in encode_image's output: {', '.join(sorted(shapes)) or 'none'}")
     if errors:
         parts.append("errors: " + "; ".join(errors))
     return _result(ctx, item, PASS if ok else FAIL, "; ".join(parts), {"cases": rows})

@@ -235,8 +235,9 @@ DEFECTS_DRIVER = textwrap.dedent(
         original = cls.get_input_embeddings
         def get_input_embeddings(self, *args, cached_image_features=None, **kwargs):
             if cached_image_features is not None:
-                deepstack = cached_image_features["deepstack_features"]
-                cached_image_features = dict(cached_image_features, deepstack_features=deepstack[:0])
+                width = self.config.text_config.hidden_size
+                kept = cached_image_features[:, :width]  # the deepstack columns dropped
+                cached_image_features = {"image_features": kept, "deepstack_features": kept[None, :, :0][:0]}
             return original(self, *args, cached_image_features=cached_image_features, **kwargs)
         cls.get_input_embeddings = get_input_embeddings
         return lambda: setattr(cls, "get_input_embeddings", original)

@@ -46,16 +46,49 @@ def test_images_encoded_separately_then_concatenated(model, reference):
     ]
     joined = compass.concat_image_features(parts)
     assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=joined))
-    # split -> concat round trip is the identity
-    again = compass.concat_image_features(compass.split_image_features(joined, merge_size=2))
-    assert all(mx.array_equal(again[k], joined[k]) for k in joined)
+    # what hosts do with the array: per-image rows, then mx.concatenate on axis 0
+    split = compass.split_image_features(joined, grid, merge_size=2)
+    assert [p.shape[0] for p in split] == [int(np.prod(g)) // 4 for g in grid]
+    assert all(mx.array_equal(a, b) for a, b in zip(split, parts))
+    assert mx.array_equal(mx.concatenate(split, axis=0), joined)
+    # a list of per-image arrays is accepted as it is
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=split))
+
+
+def test_features_are_one_array_a_host_can_cache(model, reference):
+    """First axis = image tokens; the row width carries the K deepstack features too."""
+    case = reference("img_two")
+    enc = encode(model, case)
+    cfg = model.config
+    tokens = int(np.sum(np.asarray(case["input_ids"]) == cfg.image_token_id))
+    D, K = cfg.text_config.hidden_size, len(cfg.vision_config.deepstack_visual_indexes)
+    assert isinstance(enc, mx.array) and enc.shape == (tokens, (1 + K) * D)
+    assert enc.nbytes == tokens * (1 + K) * D * enc.dtype.size
+
+
+def test_the_older_dict_form_is_still_accepted(model, reference):
+    case = reference("img_448")
+    enc = encode(model, case)
+    D = model.config.text_config.hidden_size
+    parts = mx.split(enc, enc.shape[-1] // D, axis=-1)
+    as_dict = {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]),
+               "image_grid_thw": mx.array(case["image_grid_thw"])}
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=as_dict))
+
+
+def test_features_of_the_wrong_width_are_refused(model, reference):
+    case = reference("img_448")
+    enc = encode(model, case)
+    with pytest.raises(ValueError, match="Re-encode the images"):
+        logits(model, case, cached_image_features=enc[:, : model.config.text_config.hidden_size])
 
 
 def test_deepstack_is_part_of_the_replay(model, reference):
     """Dropping the deepstack features from a replay changes the logits (so the test above has teeth)."""
     case = reference("img_448")
     enc = encode(model, case)
-    dropped = dict(enc, deepstack_features=mx.zeros_like(enc["deepstack_features"]))
+    D = model.config.text_config.hidden_size
+    dropped = mx.concatenate([enc[:, :D], mx.zeros_like(enc[:, D:])], axis=-1)
     assert not mx.array_equal(logits(model, case), logits(model, case, cached_image_features=dropped))
 
 
@@ -63,8 +96,8 @@ def test_replay_after_safetensors_round_trip(model, reference, tmp_path):
     case = reference("img_two")
     enc = encode(model, case)
     path = str(tmp_path / "features.safetensors")
-    mx.save_safetensors(path, enc)
-    loaded = mx.load(path)
+    mx.save_safetensors(path, {"features": enc})
+    loaded = mx.load(path)["features"]
     assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=loaded))
 
 
@@ -96,7 +129,11 @@ def test_mismatched_replay_raises_the_count_error(model, reference):
 
 def test_same_count_different_grid_is_refused(model, reference):
     case = reference("img_448")
-    enc = dict(encode(model, case), image_grid_thw=mx.array([[1, 56, 14]]))
+    enc = encode(model, case)
+    D = model.config.text_config.hidden_size
+    parts = mx.split(enc, enc.shape[-1] // D, axis=-1)
+    enc = {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]),
+           "image_grid_thw": mx.array([[1, 56, 14]])}
     with pytest.raises(ValueError, match="re-encode"):
         logits(model, case, cached_image_features=enc)
 
@@ -109,7 +146,7 @@ def test_encode_image_without_grid_uses_the_processors_memo(model, reference, ti
     out = processor.image_processor([str(fixture_images["synth_640x480.png"])])
     with_grid = model.encode_image(mx.array(out["pixel_values"]), out["image_grid_thw"])
     without = model.encode_image(mx.array(out["pixel_values"]))
-    assert all(mx.array_equal(with_grid[k], without[k]) for k in with_grid)
+    assert mx.array_equal(with_grid, without)
     with pytest.raises(ValueError, match="needs image_grid_thw"):
         model.encode_image(mx.array(out["pixel_values"]) + 1.0)
 

@@ -36,12 +36,14 @@ def test_position_ids_and_rope_delta_match_reference(model, reference, name):
 def test_vision_and_deepstack_features_match_reference(model, reference, name):
     case = reference(name)
     enc = model.encode_image(mx.array(case["pixel_values"]), case["image_grid_thw"])
-    diff = np.abs(np.array(enc["image_features"]) - case["image_features"]).max()
-    assert diff < TOL, f"image features off by {diff:.3g}"
     ref_ds = case["deepstack_features"]
-    assert enc["deepstack_features"].shape == ref_ds.shape
+    # One row per image token: the merger's features, then each deepstack feature.
+    assert enc.shape == (ref_ds.shape[1], (1 + ref_ds.shape[0]) * ref_ds.shape[2])
+    parts = np.split(np.array(enc), 1 + ref_ds.shape[0], axis=-1)
+    diff = np.abs(parts[0] - case["image_features"]).max()
+    assert diff < TOL, f"image features off by {diff:.3g}"
     for k in range(ref_ds.shape[0]):
-        d = np.abs(np.array(enc["deepstack_features"][k]) - ref_ds[k]).max()
+        d = np.abs(parts[1 + k] - ref_ds[k]).max()
         assert d < TOL, f"deepstack {k} off by {d:.3g}"
 
 
@@ -76,7 +78,8 @@ def test_zeroed_deepstack_changes_logits(model, reference):
     kw = image_kwargs(case)
     ids = mx.array(case["input_ids"])
     enc = model.encode_image(kw.pop("pixel_values"), kw["image_grid_thw"])
-    zeroed = dict(enc, deepstack_features=mx.zeros_like(enc["deepstack_features"]))
+    D = model.config.text_config.hidden_size
+    zeroed = mx.concatenate([enc[:, :D], mx.zeros_like(enc[:, D:])], axis=-1)
 
     def logits(features):
         out = model(ids, None, cache=model.language_model.make_cache(), cached_image_features=features, **kw)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,8 +14,11 @@ from .language import LanguageModel, get_rope_index
 from .processing_cohere_compass import GRID_MEMO
 from .vision import VisionModel
 
-# Keys of the dict returned by Model.encode_image (safetensors-friendly).
+# Keys of the dict that encode_image returned before it returned one array; still accepted.
 FEATURES, DEEPSTACK, GRID = "image_features", "deepstack_features", "image_grid_thw"
+
+# What get_input_embeddings takes as cached_image_features.
+CachedFeatures = Union[mx.array, Sequence[mx.array], Dict[str, mx.array]]
 
 
 @dataclass
@@ -29,7 +32,7 @@ class CompassEmbeddings:
     inputs_embeds: mx.array
     position_ids: Optional[mx.array] = None
     rope_deltas: Optional[Any] = None
-    deepstack_visual_embeds: Optional[List[mx.array]] = None
+    deepstack_visual_embeds: Optional[mx.array] = None  # [B, L, K, D]
     visual_pos_masks: Optional[mx.array] = None
     attention_mask: Optional[mx.array] = None
 
@@ -47,7 +50,10 @@ class Model(nn.Module):
         self.config = config
         self.model_type = config.model_type
         self.language_model = LanguageModel(
-            config.text_config, tie_word_embeddings=config.tie_word_embeddings
+            config.text_config,
+            tie_word_embeddings=config.tie_word_embeddings,
+            image_token_id=config.image_token_id,
+            spatial_merge_size=config.vision_config.spatial_merge_size,
         )
         self.vision_tower = VisionModel(config.vision_config)
 
@@ -55,9 +61,7 @@ class Model(nn.Module):
     def layers(self):
         return self.language_model.model.layers
 
-    def encode_image(
-        self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None
-    ) -> Dict[str, mx.array]:
+    def encode_image(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None) -> mx.array:
         """Run the vision tower once so a host can cache and replay the result.
 
         Args:
@@ -65,12 +69,13 @@ class Model(nn.Module):
             image_grid_thw: ``[num_images, 3]`` patch grids of those images.
 
         Returns:
-            ``{"image_features": [N, D], "deepstack_features": [K, N, D],
-            "image_grid_thw": [num_images, 3]}`` with N the merged image tokens
-            of all images in order. Pass it back as
-            ``get_input_embeddings(..., cached_image_features=...)``; rows split
-            per image with :func:`split_image_features` and join with
-            :func:`concat_image_features`.
+            ``[N, (1 + K) * D]``: one row per merged image token of all images in
+            prompt order, the merger's features followed by the K deepstack
+            features (D = text hidden size). Rows of one image can be sliced out
+            (:func:`split_image_features`) and images joined with
+            ``mx.concatenate(..., axis=0)``. Pass it back as
+            ``get_input_embeddings(..., cached_image_features=...)``; the logits
+            equal the uncached path exactly.
         """
         if image_grid_thw is None:
             # mlx-vlm 0.4.x-0.6.x call encode_image(pixel_values) with no grid.
@@ -83,26 +88,47 @@ class Model(nn.Module):
         grid = mx.array(np.asarray(image_grid_thw, dtype=np.int32).reshape(-1, 3))
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
-        stacked = mx.stack(deepstack) if deepstack else mx.zeros((0,) + features.shape, features.dtype)
-        return {FEATURES: features, DEEPSTACK: stacked, GRID: grid}
+        return mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
 
-    def encode_images(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs) -> Dict[str, mx.array]:
+    def encode_images(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs) -> mx.array:
         """mlx-vlm 0.7.x's name for :meth:`encode_image` (grid passed as a keyword)."""
         return self.encode_image(pixel_values, image_grid_thw)
 
-    @staticmethod
-    def _check_features(cached: Dict[str, mx.array]) -> None:
-        if not isinstance(cached, dict) or FEATURES not in cached or DEEPSTACK not in cached:
+    def _unpack_features(self, cached: CachedFeatures) -> Tuple[mx.array, List[mx.array], Optional[Any]]:
+        """(features [N, D], K deepstack [N, D], grid or None) from any accepted form."""
+        D = self.config.text_config.hidden_size
+        K = len(self.config.vision_config.deepstack_visual_indexes)
+        if isinstance(cached, dict):
+            if FEATURES not in cached or DEEPSTACK not in cached:
+                raise ValueError(
+                    f"cached_image_features as a dict needs the keys {FEATURES!r} and {DEEPSTACK!r}; "
+                    "pass Model.encode_image's array instead"
+                )
+            deep = cached[DEEPSTACK]
+            return cached[FEATURES], [deep[k] for k in range(deep.shape[0])], cached.get(GRID)
+        if isinstance(cached, (list, tuple)):
+            if not cached or not all(isinstance(part, mx.array) for part in cached):
+                raise ValueError("cached_image_features as a list must hold one or more mx.array from encode_image")
+            cached = mx.concatenate(list(cached), axis=0) if len(cached) > 1 else cached[0]
+        if not isinstance(cached, mx.array):
             raise ValueError(
-                "cached_image_features must be the dict returned by Model.encode_image "
-                f"(keys {FEATURES!r}, {DEEPSTACK!r}, {GRID!r})"
+                "cached_image_features must be the mx.array returned by Model.encode_image, "
+                f"got {type(cached).__name__}"
             )
+        if cached.ndim != 2 or cached.shape[-1] != (1 + K) * D:
+            raise ValueError(
+                f"cached_image_features has shape {list(cached.shape)}; this model's encode_image gives "
+                f"[image tokens, {(1 + K) * D}] (features and {K} deepstack features of width {D}). "
+                "Re-encode the images with this model's encode_image"
+            )
+        parts = mx.split(cached, 1 + K, axis=-1) if K else [cached]
+        return parts[0], list(parts[1:]), None
 
     def get_input_embeddings(
         self,
         input_ids: Optional[mx.array] = None,
         pixel_values: Optional[mx.array] = None,
-        cached_image_features: Optional[Dict[str, mx.array]] = None,
+        cached_image_features: Optional[CachedFeatures] = None,
         image_grid_thw: Optional[Any] = None,
         mask: Optional[mx.array] = None,
         mm_token_type_ids: Optional[Any] = None,
@@ -111,22 +137,24 @@ class Model(nn.Module):
         """Token embeddings with image features scattered in, plus MRoPE positions.
 
         Images come from ``pixel_values`` + ``image_grid_thw`` or, without running
-        the tower, from ``cached_image_features`` (``encode_image``'s output).
+        the tower, from ``cached_image_features`` (``encode_image``'s array, a list
+        of such arrays in prompt order, or the older dict form). The deepstack
+        features come back dense, ``[B, L, K, D]`` with zeros off the image
+        tokens, so hosts slice and left-pad them like the embeddings.
         """
         embeds = self.language_model.model.embed_tokens(input_ids)
         if pixel_values is None and cached_image_features is None:
             return CompassEmbeddings(inputs_embeds=embeds, attention_mask=mask)
 
+        encoded_grid = None
         if cached_image_features is not None:
-            self._check_features(cached_image_features)
-            encoded = cached_image_features
+            features, deepstack, encoded_grid = self._unpack_features(cached_image_features)
             if image_grid_thw is None:
-                image_grid_thw = encoded.get(GRID)
+                image_grid_thw = encoded_grid
         else:
             if image_grid_thw is None:
                 raise ValueError("image_grid_thw must be provided with pixel_values")
-            encoded = self.encode_image(pixel_values, image_grid_thw)
-        features, deepstack = encoded[FEATURES], encoded[DEEPSTACK]
+            features, deepstack, _ = self._unpack_features(self.encode_image(pixel_values, image_grid_thw))
 
         ids = np.array(input_ids)
         if mm_token_type_ids is not None:
@@ -141,23 +169,28 @@ class Model(nn.Module):
                 "Each image needs exactly one image placeholder, expanded by the processor, "
                 "and replayed features must come from the same images."
             )
-        if GRID in encoded and image_grid_thw is not None:
-            encoded_grid = np.asarray(encoded[GRID]).reshape(-1, 3).tolist()
+        if image_grid_thw is None:
+            raise ValueError(
+                "image_grid_thw must be provided with cached_image_features (the processor returns "
+                "it for the prompt's images): image positions depend on each image's grid"
+            )
+        if encoded_grid is not None:
+            cached_grid = np.asarray(encoded_grid).reshape(-1, 3).tolist()
             prompt_grid = np.asarray(image_grid_thw).reshape(-1, 3).tolist()
-            if encoded_grid != prompt_grid:
+            if cached_grid != prompt_grid:
                 raise ValueError(
-                    f"cached_image_features were encoded for image grids {encoded_grid} but the "
+                    f"cached_image_features were encoded for image grids {cached_grid} but the "
                     f"prompt's images have grids {prompt_grid}; re-encode the images"
                 )
         B, L, D = embeds.shape
         where = mx.array(flat.astype(np.uint32))
         merged = embeds.reshape(B * L, D)
         merged[where] = features.astype(embeds.dtype)
-        dense = []
-        for k in range(deepstack.shape[0]):
-            layer = mx.zeros((B * L, D), dtype=embeds.dtype)
-            layer[where] = deepstack[k].astype(embeds.dtype)
-            dense.append(layer.reshape(B, L, D))
+        dense = None
+        if deepstack:
+            dense = mx.zeros((B * L, len(deepstack), D), dtype=embeds.dtype)
+            dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
+            dense = dense.reshape(B, L, len(deepstack), D)
 
         position_ids, deltas = get_rope_index(
             ids,
@@ -167,10 +200,14 @@ class Model(nn.Module):
             attention_mask=np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None,
             mm_token_type_ids=is_image.astype(np.int32),
         )
+        position_ids = mx.array(position_ids)
         rope_deltas = int(deltas[0]) if np.all(deltas == deltas[0]) else mx.array(deltas)
+        # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
+        self.language_model._position_ids = position_ids
+        self.language_model._rope_deltas = mx.array(deltas.reshape(-1, 1))
         return CompassEmbeddings(
             inputs_embeds=merged.reshape(B, L, D),
-            position_ids=mx.array(position_ids),
+            position_ids=position_ids,
             rope_deltas=rope_deltas,
             deepstack_visual_embeds=dense,
             visual_pos_masks=mx.array(is_image),
@@ -226,27 +263,17 @@ class Model(nn.Module):
         return self.vision_tower.sanitize(out)
 
 
-def split_image_features(encoded: Dict[str, mx.array], merge_size: int = 2) -> List[Dict[str, mx.array]]:
-    """Split ``encode_image`` output into one dict per image (prompt order)."""
-    sizes = merged_tokens_per_image(encoded[GRID], merge_size)
-    out, start = [], 0
-    grid = encoded[GRID]
-    for i, n in enumerate(sizes):
-        out.append(
-            {
-                FEATURES: encoded[FEATURES][start : start + n],
-                DEEPSTACK: encoded[DEEPSTACK][:, start : start + n],
-                GRID: grid[i : i + 1],
-            }
+def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:
+    """Split ``encode_image`` output into one array per image (prompt order)."""
+    sizes = merged_tokens_per_image(image_grid_thw, merge_size)
+    if sum(sizes) != features.shape[0]:
+        raise ValueError(
+            f"image_grid_thw describes {sum(sizes)} image tokens but the features have {features.shape[0]} rows"
         )
-        start += n
-    return out
+    bounds = np.cumsum([0] + sizes)
+    return [features[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def concat_image_features(parts: List[Dict[str, mx.array]]) -> Dict[str, mx.array]:
+def concat_image_features(parts: Sequence[mx.array]) -> mx.array:
     """Join per-image ``encode_image`` outputs, in prompt order, into one."""
-    return {
-        FEATURES: mx.concatenate([p[FEATURES] for p in parts], axis=0),
-        DEEPSTACK: mx.concatenate([p[DEEPSTACK] for p in parts], axis=1),
-        GRID: mx.concatenate([p[GRID] for p in parts], axis=0),
-    }
+    return mx.concatenate(list(parts), axis=0)

@@ -156,6 +156,25 @@ class TextConfig:
                     f"but head_dim // 2 is {self.head_dim // 2}"
                 )
 
+    @property
+    def rope_scaling(self) -> Optional[Dict[str, Any]]:
+        """Read-only view of the sliding layers' rotation in the flat form Qwen-VL configs use.
+
+        Hosts (oMLX, servers built on mlx-vlm) decide whether a model needs per-request
+        MRoPE bookkeeping by ``"mrope_section" in text_config.rope_scaling``; the per-layer-type
+        ``rope_parameters`` alone would say no. Full-attention layers still get no rotation.
+        """
+        for layer_type in LAYER_TYPES:
+            spec = self.rope_for(layer_type) if layer_type in self.layer_types else None
+            if spec is not None:
+                return {
+                    "rope_type": "default",
+                    "rope_theta": spec.theta,
+                    "mrope_section": list(spec.mrope_section),
+                    "mrope_interleaved": True,
+                }
+        return None
+
     def rope_for(self, layer_type: str) -> Optional[RopeSpec]:
         """The rotation of ``layer_type`` layers, or None for no positional encoding.
 

@@ -153,13 +153,18 @@ class MaskBuilder:
 
     A 2-D padding mask is only ever ANDed into the causal mask, never used in
     its place (mlx-vlm 0.3.x passes the processor's attention mask as ``mask``).
+    Batch caches (left-padded rows, rotating buffers) make their own masks before
+    any layer updates them; those are passed in as ``per_window``.
     """
 
-    def __init__(self, padding: Optional[mx.array]):
+    def __init__(self, padding: Optional[mx.array], per_window: Optional[Dict[Optional[int], mx.array]] = None):
         self.padding = padding
+        self.per_window = per_window or {}
         self._cache: Dict[Tuple[int, int, Optional[int]], Optional[mx.array]] = {}
 
     def get(self, L: int, K: int, window: Optional[int]):
+        if window in self.per_window:
+            return self.per_window[window]
         key = (L, K, window)
         if key not in self._cache:
             mask = causal_mask(L, K, window)
@@ -168,6 +173,12 @@ class MaskBuilder:
                 mask = pad if mask is None else mask & pad
             self._cache[key] = mask
         return self._cache[key]
+
+
+def is_batch_cache(c: Any) -> bool:
+    """mlx-lm / mlx-vlm batch caches (``BatchKVCache``, ``BatchRotatingKVCache``):
+    left-padded rows whose ``offset`` is a per-row ``mx.array``."""
+    return c is not None and isinstance(getattr(c, "offset", None), mx.array) and c.offset.ndim == 1
 
 
 class MLP(nn.Module):
@@ -223,22 +234,36 @@ class CompassTextModel(nn.Module):
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def __call__(self, h, positions, masks, cache, deepstack=None):
+        """``deepstack``: ``[B, L, K, D]`` (zero off the image tokens) or K arrays ``[B, L, D]``."""
+        count = 0 if deepstack is None else (deepstack.shape[2] if isinstance(deepstack, mx.array) else len(deepstack))
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, positions, masks, c)
             # Deepstack residuals go in after decoder layers 0..k-1 only.
-            if deepstack is not None and i < len(deepstack):
-                h = h + deepstack[i].astype(h.dtype)
+            if i < count:
+                residual = deepstack[:, :, i] if isinstance(deepstack, mx.array) else deepstack[i]
+                h = h + residual.astype(h.dtype)
         return self.norm(h)
 
 
 class LanguageModel(nn.Module):
-    """Decoder plus the per-sequence MRoPE state that decode steps need.
+    """Decoder plus the MRoPE state that mlx-vlm's generate loops expect.
 
-    ``rope_delta`` from the last prefill is kept on the module; a new sequence
-    (cache offset 0) resets it, so text-only prompts never inherit image positions.
+    Positions of one forward pass come, in this order, from: ``position_ids``
+    given by the caller (``[3, B, L]`` or ``[B, L]``, the whole prompt or this
+    chunk); else cache offset + rope delta, where the delta is the ``rope_deltas``
+    argument or, for single-sequence caches only, the one the last prefill left
+    in ``_rope_deltas``. Batch caches (per-row offsets) never read that module
+    state: a host decoding several sequences passes per-row deltas or positions.
+    A single-sequence cache at offset 0 starts a new sequence and clears it.
     """
 
-    def __init__(self, config: TextConfig, tie_word_embeddings: bool = True):
+    def __init__(
+        self,
+        config: TextConfig,
+        tie_word_embeddings: bool = True,
+        image_token_id: Optional[int] = None,
+        spatial_merge_size: int = 2,
+    ):
         super().__init__()
         self.config = config
         self.model_type = config.model_type
@@ -247,10 +272,12 @@ class LanguageModel(nn.Module):
         if not tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logit_scale = config.logit_scale
+        self.image_token_id = image_token_id
+        self.spatial_merge_size = spatial_merge_size
+        # Names and meaning as Qwen-VL language models in mlx-vlm: hosts read and reset them.
         self._rope_deltas: Optional[mx.array] = None
-        self._delta_memo: Tuple[Optional[mx.array], int] = (None, 0)
-        self._positions_source: Optional[mx.array] = None
-        self._positions_base = 0
+        self._position_ids: Optional[mx.array] = None
+        self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
 
     @property
     def layers(self):
@@ -264,23 +291,68 @@ class LanguageModel(nn.Module):
             for layer in self.model.layers
         ]
 
-    def _scalar_delta(self) -> Optional[int]:
-        """The single rope delta as a Python int, read from the device once per sequence
-        (not once per decode step); None when rows have different deltas."""
-        delta = self._rope_deltas
-        if delta is None or delta.size != 1:
-            return None
-        if self._delta_memo[0] is not delta:
-            self._delta_memo = (delta, int(delta.reshape(-1)[0].item()))
-        return self._delta_memo[1]
+    def get_rope_index(
+        self,
+        input_ids: mx.array,
+        image_grid_thw: Optional[Any] = None,
+        video_grid_thw: Optional[Any] = None,
+        attention_mask: Optional[mx.array] = None,
+    ) -> Tuple[mx.array, mx.array]:
+        """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a prompt.
 
-    def _chunk_start(self, full: mx.array, L: int, offset: int) -> int:
-        # mlx-vlm >= 0.4 hands every prefill chunk the full-prompt position ids.
-        if full.shape[-1] == L:
-            return 0
-        if self._positions_source is not full:
-            self._positions_source, self._positions_base = full, offset
-        return offset - self._positions_base
+        The Qwen-VL language-model method mlx-vlm 0.7.x calls to prime positions
+        before it trims a prompt to its uncached suffix. Image tokens are found by
+        ``image_token_id``; padding (``attention_mask == 0``) gets position 0.
+        """
+        if video_grid_thw is not None:
+            raise NotImplementedError("cohere_compass in compass-compat does not support video inputs yet")
+        if image_grid_thw is not None and self.image_token_id is None:
+            raise ValueError("get_rope_index needs image_token_id: build LanguageModel through Model")
+        mask = None if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 else np.array(attention_mask)
+        position_ids, deltas = get_rope_index(
+            np.array(input_ids),
+            image_grid_thw,
+            -1 if self.image_token_id is None else self.image_token_id,
+            self.spatial_merge_size,
+            attention_mask=mask,
+        )
+        return mx.array(position_ids), mx.array(deltas.reshape(-1, 1))
+
+    def _chunk_start(self, kind: str, full: mx.array, L: int, columns: int) -> int:
+        """Where this forward's L tokens start in an array that covers more than them.
+
+        mlx-vlm >= 0.4 hands every prefill chunk the whole prompt's arrays; the
+        start is the tokens processed since the array was first seen.
+        """
+        source, base = self._chunk_sources.get(kind, (None, 0))
+        if source is not full:
+            self._chunk_sources[kind] = (full, columns)
+            base = columns
+        return columns - base
+
+    def _positions(
+        self,
+        B: int,
+        L: int,
+        offset: Any,
+        position_ids: Optional[mx.array],
+        rope_deltas: Optional[Any],
+        batched: bool,
+    ) -> Positions:
+        if position_ids is not None:
+            if position_ids.ndim == 2:
+                position_ids = mx.broadcast_to(position_ids[None], (3,) + tuple(position_ids.shape))
+            return Positions(explicit=position_ids)
+        delta = rope_deltas if rope_deltas is not None else (None if batched else self._rope_deltas)
+        if delta is None:
+            return Positions(offset=offset)
+        if isinstance(delta, (int, np.integer)):
+            return Positions(offset=offset + int(delta))
+        delta = delta.reshape(-1) if isinstance(delta, mx.array) else mx.array(np.asarray(delta).reshape(-1))
+        if delta.size not in (1, B):
+            raise ValueError(f"rope_deltas has {delta.size} rows but the batch has {B}; pass one delta per row")
+        # One offset per row: mx.fast.rope takes a [B] offset array.
+        return Positions(offset=mx.broadcast_to(offset + delta.astype(mx.int32), (B,)))
 
     def __call__(
         self,
@@ -290,42 +362,60 @@ class LanguageModel(nn.Module):
         cache: Optional[List[Any]] = None,
         position_ids: Optional[mx.array] = None,
         rope_deltas: Optional[Any] = None,
-        deepstack_visual_embeds: Optional[List[mx.array]] = None,
+        deepstack_visual_embeds: Optional[Any] = None,
         **kwargs,
     ) -> LanguageModelOutput:
         h = self.model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
         B, L = h.shape[:2]
         if cache is None:
             cache = [None] * len(self.model.layers)
-        offset = cache[0].offset if cache[0] is not None else 0
-        if offset == 0:
-            self._rope_deltas = None
-        if rope_deltas is not None:
-            # An mx.array: mlx-vlm 0.6.x's batch generator (its server) reads and resets it.
-            self._rope_deltas = rope_deltas if isinstance(rope_deltas, mx.array) else mx.array(rope_deltas)
-            if isinstance(rope_deltas, int):
-                self._delta_memo = (self._rope_deltas, rope_deltas)
-
-        deepstack = None
-        if position_ids is not None:
-            start = self._chunk_start(position_ids, L, offset)
-            explicit = position_ids[..., start : start + L]
-            if deepstack_visual_embeds is not None:
-                deepstack = [d[:, start : start + L] for d in deepstack_visual_embeds]
-            positions = Positions(explicit=explicit)
+        first = cache[0]
+        batched = is_batch_cache(first)
+        if batched:
+            # A copy: batch caches update ``offset`` in place (``offset += L``) in layer 0,
+            # and every later layer must still rotate from where this chunk starts.
+            offset = mx.array(first.offset)
+            columns = first._offset if hasattr(first, "_offset") else getattr(first, "_idx", 0)
         else:
-            delta = self._rope_deltas
-            scalar = self._scalar_delta()
-            if delta is None:
-                positions = Positions(offset=offset)
-            elif scalar is not None:
-                positions = Positions(offset=offset + scalar)
-            else:
-                ids = (mx.arange(L)[None] + offset + delta.reshape(-1, 1)).astype(mx.int32)
-                positions = Positions(explicit=mx.broadcast_to(ids[None], (3, B, L)))
+            offset = first.offset if first is not None else 0
+            columns = offset
+            if offset == 0:
+                self._rope_deltas = None
 
-        padding = mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
-        h = self.model(h, positions, MaskBuilder(padding), cache, deepstack)
+        if position_ids is not None and position_ids.shape[-1] != L:
+            start = self._chunk_start("position_ids", position_ids, L, columns)
+            position_ids = position_ids[..., start : start + L]
+        if rope_deltas is not None:
+            # Kept as an mx.array: mlx-vlm 0.6.x's batch generator reads and resets it.
+            self._rope_deltas = rope_deltas if isinstance(rope_deltas, mx.array) else mx.array(rope_deltas)
+        elif position_ids is not None:
+            # The delta decode steps continue from (per row): last position + 1 - tokens so far.
+            # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
+            last = position_ids.max(axis=(0, 2)) if position_ids.ndim == 3 else position_ids.max(axis=-1)
+            self._rope_deltas = (last + 1 - (offset + L)).reshape(-1, 1)
+        deepstack = deepstack_visual_embeds
+        if deepstack is not None:
+            full = deepstack if isinstance(deepstack, mx.array) else deepstack[0]
+            if full.shape[1] != L:
+                start = self._chunk_start("deepstack", full, L, columns)
+                deepstack = (
+                    deepstack[:, start : start + L]
+                    if isinstance(deepstack, mx.array)
+                    else [d[:, start : start + L] for d in deepstack]
+                )
+        positions = self._positions(B, L, offset, position_ids, rope_deltas, batched)
+
+        if batched:
+            per_window: Dict[Optional[int], mx.array] = {}
+            for layer, c in zip(self.model.layers, cache):
+                window = layer.self_attn.window
+                if window not in per_window:
+                    per_window[window] = c.make_mask(L, window_size=window, return_array=True)
+            masks = MaskBuilder(None, per_window)
+        else:
+            padding = mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
+            masks = MaskBuilder(padding)
+        h = self.model(h, positions, masks, cache, deepstack)
         keep = kwargs.get("logits_to_keep") or 0
         if keep:
             h = h[:, -keep:]
