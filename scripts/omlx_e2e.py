@@ -314,6 +314,13 @@ def prompt_check(model_dir: Path, cases: List[Case], max_tokens: int) -> Dict[st
     engine._tokenizer = getattr(processor, "tokenizer", processor)
     engine._vision_cache = None
 
+    from omlx.models.vlm import VLMModelAdapter
+
+    # Which decode branch oMLX's adapter takes for this model: with mRoPE it passes
+    # position_ids built from the batch cache offsets plus per-request rope deltas.
+    log(f"oMLX VLMModelAdapter sees mRoPE: {VLMModelAdapter._detect_mrope(model)} "
+        f"(text_config.rope_scaling or rope_parameters with a top-level 'mrope_section')")
+
     report: Dict[str, Dict[str, Any]] = {}
     seen: Dict[Tuple, Dict[str, Any]] = {}
     for case in cases:
