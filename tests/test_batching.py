@@ -12,11 +12,13 @@ borrows another row's rope delta, or rotates with a stale offset, fails.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from packaging.version import Version
 
 from parity import image_kwargs
 
@@ -185,7 +187,12 @@ def merged(module, per_row_caches):
 
 @needs_batch_caches
 @pytest.mark.parametrize("module", CACHE_MODULES)
-def test_merge_filter_extend_extract_keep_every_row_right(model, reference, module):
+def test_merge_filter_extend_extract_keep_every_row_right(model, reference, module, request):
+    if module.__name__.startswith("mlx_lm") and Version(importlib.metadata.version("mlx-lm")) < Version("0.29"):
+        # mlx-lm 0.28's BatchRotatingKVCache.merge slices by offset, not by the buffer it holds:
+        # a cache prefilled past its window cannot be merged (the pin's bug, fixed by 0.31).
+        request.applymarker(pytest.mark.xfail(raises=ValueError, strict=True,
+                                              reason="mlx-lm 0.28 cannot merge a rotating cache past its window"))
     names = ["img_448", "text_medium", "text_long"]
     rows = [Row(model, reference(n)) for n in names]
     cache = merged(module, [single_prefill(model, r) for r in rows])
@@ -224,7 +231,9 @@ def test_batch_decode_does_not_use_the_last_prefills_delta(model, reference, mod
     single_prefill(model, image)  # leaves _rope_deltas = this image's delta on the module
     assert model.language_model._rope_deltas is not None
     rows = [Row(model, reference(n)) for n in names]
-    cache = merged(module, [single_prefill(model, r) for r in rows])
+    width = max(r.length for r in rows)
+    cache = batch_cache(model, module, [width - r.length for r in rows])
+    batched_prefill(model, rows, cache, names)
     model.language_model._rope_deltas = mx.array([[image.delta]])  # as a host that prefilled it last
     for _ in range(4):
         decode_step(model, rows, cache, "none", names)
@@ -237,7 +246,9 @@ def test_batch_decode_builds_its_graph_without_host_sync(model, reference, modul
 
     names = ["img_448", "text_long"]
     rows = [Row(model, reference(n)) for n in names]
-    cache = merged(module, [single_prefill(model, r) for r in rows])
+    width = max(r.length for r in rows)
+    cache = batch_cache(model, module, [width - r.length for r in rows])
+    batched_prefill(model, rows, cache, names)
     deltas = mx.array([[r.delta] for r in rows])
     tokens = mx.array([[r.token()] for r in rows])
     mx.eval(deltas, tokens)

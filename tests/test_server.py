@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Dict, Optional
 
 import mlx_vlm
 import pytest
@@ -57,10 +58,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, *extra: str):
+    def __init__(self, model: Path, log: Path, *extra: str, env: Optional[Dict[str, str]] = None):
         self.model, self.log_path = str(model), log
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}
+        env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "compass_compat", "server", *extra,

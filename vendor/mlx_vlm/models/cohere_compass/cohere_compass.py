@@ -144,7 +144,7 @@ class Model(nn.Module):
         """
         embeds = self.language_model.model.embed_tokens(input_ids)
         if pixel_values is None and cached_image_features is None:
-            return CompassEmbeddings(inputs_embeds=embeds, attention_mask=mask)
+            return self._text_embeddings(input_ids, embeds, mask)
 
         encoded_grid = None
         if cached_image_features is not None:
@@ -200,19 +200,37 @@ class Model(nn.Module):
             attention_mask=np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None,
             mm_token_type_ids=is_image.astype(np.int32),
         )
-        position_ids = mx.array(position_ids)
-        rope_deltas = int(deltas[0]) if np.all(deltas == deltas[0]) else mx.array(deltas)
+        return self._with_positions(
+            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(is_image), mask
+        )
+
+    def _with_positions(self, embeds, position_ids, deltas, deepstack, visual, mask) -> CompassEmbeddings:
+        # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s
+        # BatchGenerator) concatenate each key over the rows that have it, so a key only some
+        # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
+        rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
-        self.language_model._rope_deltas = mx.array(deltas.reshape(-1, 1))
+        self.language_model._rope_deltas = rope_deltas
         return CompassEmbeddings(
-            inputs_embeds=merged.reshape(B, L, D),
+            inputs_embeds=embeds,
             position_ids=position_ids,
             rope_deltas=rope_deltas,
-            deepstack_visual_embeds=dense,
-            visual_pos_masks=mx.array(is_image),
+            deepstack_visual_embeds=deepstack,
+            visual_pos_masks=visual,
             attention_mask=mask,
         )
+
+    def _text_embeddings(self, input_ids, embeds, mask) -> CompassEmbeddings:
+        """A text-only prompt in the same per-row form as an image prompt (no deepstack memory:
+        the zeros are a broadcast until a host concatenates rows)."""
+        B, L, D = embeds.shape
+        padding = np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
+        position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
+        K = len(self.config.vision_config.deepstack_visual_indexes)
+        deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
+        visual = mx.zeros((B, L), dtype=mx.bool_)
+        return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
 
     @property
     def _merge(self) -> int:
