@@ -81,6 +81,7 @@ for line in md.requires("flyto-mlx") or []:
     print(str(req))
 EOF
 )
+echo "[omlx-env] expected from pip below: 'flyto-mlx 0.7.0 requires xgrammar>=0.1.32, which is not installed'"
 "${pip[@]}" install -q "${cflags[@]}" "$MLX" "${reqs[@]}" pytest
 # 3. compass-compat from this checkout (its .pth startup hook included).
 "${pip[@]}" install -q --no-deps -e "$root"
