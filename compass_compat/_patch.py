@@ -14,7 +14,12 @@ What :func:`apply_patch` does, all or nothing:
    the image-first list message format (in place);
 4. wraps ``transformers.AutoProcessor.from_pretrained`` so a local checkpoint
    folder whose ``config.json`` says ``cohere_compass`` gets the vendored
-   torch-free processor while the vendored package is the live one.
+   torch-free processor while the vendored package is the live one;
+5. only with ``mlx_lm`` (argument or ``COMPASS_COMPAT_MLX_LM=1``): appends
+   ``<vendor>/mlx_lm/models`` to the END of ``mlx_lm.models.__path__``, so
+   ``mlx_lm.load`` runs the vendored text decoder on text prompts. Opt-in
+   because hosts that hand a checkpoint to mlx-lm when it loads there would
+   then drop or mis-position images (README, "Hosts that load through mlx-lm").
 
 Every hook is checked before anything changes; a missing one raises
 :class:`CompassCompatError` naming it and the installed mlx-vlm version. A
@@ -42,6 +47,8 @@ PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
 PROCESSING_MODULE = f"{PACKAGE}.processing_{MODEL_TYPE}"
 PROCESSOR_CLASS = "CohereCompassProcessor"
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
+MLX_LM_ENV = "COMPASS_COMPAT_MLX_LM"
+MLX_LM_PACKAGE = f"mlx_lm.models.{MODEL_TYPE}"
 TAG = "__compass_compat__"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -57,6 +64,7 @@ class _State:
     forced: bool = False
     force_source: str = ""
     processor_hook: bool = False
+    mlx_lm: bool = False
     undo: List[_Undo] = field(default_factory=list)
 
 
@@ -155,18 +163,23 @@ class _Hooks:
     model_config: Any
     image_first: Any
     auto_processor: Any
+    mlx_lm_models: Any = None
 
 
-def _force_from_env() -> Tuple[bool, str]:
-    raw = os.environ.get(FORCE_ENV, "")
+def _flag_from_env(name: str) -> Tuple[bool, str]:
+    raw = os.environ.get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
-        return True, f"environment variable {FORCE_ENV}={raw}"
+        return True, f"environment variable {name}={raw}"
     if value in _FALSE:
         return False, ""
     raise CompassCompatError(
-        f"{FORCE_ENV}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)"
+        f"{name}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)"
     )
+
+
+def _force_from_env() -> Tuple[bool, str]:
+    return _flag_from_env(FORCE_ENV)
 
 
 def _import_or_none(name: str) -> Any:
@@ -178,7 +191,7 @@ def _import_or_none(name: str) -> Any:
         raise
 
 
-def _find_hooks() -> _Hooks:
+def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     """Look up every hook; raise naming all missing ones. Changes nothing."""
     import mlx_vlm
 
@@ -213,6 +226,15 @@ def _find_hooks() -> _Hooks:
 
     auto_processor = need(transformers, "transformers", "AutoProcessor")
     need(auto_processor, "transformers.AutoProcessor", "from_pretrained", callable)
+    lm_models = None
+    if mlx_lm:
+        lm_models = _import_or_none("mlx_lm.models")
+        if lm_models is None:
+            missing.append("mlx_lm.models")
+        else:
+            need(lm_models, "mlx_lm.models", "__path__", lambda p: hasattr(p, "append"))
+        if not (vendor / "mlx_lm" / "models" / f"{MODEL_TYPE}.py").is_file():
+            missing.append(f"{vendor / 'mlx_lm' / 'models' / MODEL_TYPE}.py (vendored tree)")
     if missing:
         raise CompassCompatError(
             f"compass-compat cannot patch mlx-vlm {version}: missing hook(s) "
@@ -220,7 +242,7 @@ def _find_hooks() -> _Hooks:
             hooks=missing,
             mlx_vlm_version=version,
         )
-    return _Hooks(version, vendor, mlx_vlm, models, model_config, image_first, auto_processor)
+    return _Hooks(version, vendor, mlx_vlm, models, model_config, image_first, auto_processor, lm_models)
 
 
 def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.ModuleSpec]:
@@ -444,7 +466,7 @@ def _run_undo(steps: List[_Undo], version: str) -> None:
         )
 
 
-def apply_patch(force_vendored: Optional[bool] = None) -> bool:
+def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = None) -> bool:
     """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints.
 
     Args:
@@ -453,12 +475,17 @@ def apply_patch(force_vendored: Optional[bool] = None) -> bool:
             (>= 0.6.13) ships its own, purging an already imported upstream
             module. None (the default) reads ``COMPASS_COMPAT_FORCE_VENDORED``
             (1/true/yes/on). Without forcing, upstream wins where it exists.
+        mlx_lm: also register the vendored text decoder with mlx-lm
+            (``mlx_lm.models.cohere_compass``, text prompts only). None (the
+            default) reads ``COMPASS_COMPAT_MLX_LM``. Needs the vendored
+            package live (any pin before 0.6.13, or forced).
 
     Returns:
         True if this call changed anything; False if the patch was already in
         effect (a default call after any apply, or a forced call after a forced
         apply). A forced call after a default apply upgrades it and returns
-        True. To go back from forced to default, call :func:`remove_patch` first.
+        True, as does an ``mlx_lm`` call after an apply without it. To go back
+        (forced to default, or mlx-lm off), call :func:`remove_patch` first.
 
     Raises:
         CompassCompatError: a hook is missing (mlx-vlm is left exactly as found)
@@ -469,11 +496,25 @@ def apply_patch(force_vendored: Optional[bool] = None) -> bool:
         force, source = _force_from_env()
     else:
         force, source = bool(force_vendored), f"apply_patch(force_vendored={force_vendored})"
+    lm = _flag_from_env(MLX_LM_ENV)[0] if mlx_lm is None else bool(mlx_lm)
     with _LOCK:
-        if _STATE.applied and (_STATE.forced or not force):
+        if _STATE.applied and (_STATE.forced or not force) and (_STATE.mlx_lm or not lm):
             return False
-        hooks = _find_hooks()
+        if _STATE.applied and _STATE.forced and not force:
+            force, source = True, _STATE.force_source  # adding mlx-lm keeps an earlier forcing
+        hooks = _find_hooks(mlx_lm=lm)
         upstream = _upstream_spec(hooks.models, hooks.vendor) is not None
+        if lm and upstream and not (force or _STATE.forced):
+            # mlx-vlm >= 0.6.13: its own cohere_compass is live, and the mlx-lm module
+            # reuses the vendored decoder classes, which are then not importable.
+            raise CompassCompatError(
+                f"compass-compat cannot register cohere_compass with mlx-lm: mlx-vlm {hooks.version} "
+                f"ships its own cohere_compass, which is live, and the mlx-lm model reuses the "
+                f"vendored decoder; set {FORCE_ENV}=1 as well (or apply_patch(force_vendored=True, "
+                "mlx_lm=True))",
+                hooks=[f"{MLX_LM_PACKAGE} (needs the vendored {PACKAGE})"],
+                mlx_vlm_version=hooks.version,
+            )
         steps: List[_Undo] = []
         try:
             _append_path(hooks.mlx_vlm, "mlx_vlm", hooks.vendor / "mlx_vlm", steps)
@@ -487,6 +528,9 @@ def apply_patch(force_vendored: Optional[bool] = None) -> bool:
             if hook:
                 _install_processor_hook(hooks, steps)
                 _install_loader_guard(steps)
+            if lm:
+                # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path).
+                _append_path(hooks.mlx_lm_models, "mlx_lm.models", hooks.vendor / "mlx_lm" / "models", steps)
         except BaseException:
             _run_undo(steps, hooks.version)
             raise
@@ -495,15 +539,17 @@ def apply_patch(force_vendored: Optional[bool] = None) -> bool:
         _STATE.forced = force
         _STATE.force_source = source if force else ""
         _STATE.processor_hook = _STATE.processor_hook or hook
+        _STATE.mlx_lm = _STATE.mlx_lm or lm
         return True
 
 
 def remove_patch() -> bool:
     """Undo :func:`apply_patch` (meant for tests and pin-bump checks).
 
-    Restores ``__path__``, ``MODEL_CONFIG``, ``AutoProcessor.from_pretrained``
-    and any upstream modules a forced apply purged, and drops the vendored
-    modules from ``sys.modules``. Returns False if nothing was applied.
+    Restores ``__path__`` (mlx-vlm's and mlx-lm's), ``MODEL_CONFIG``,
+    ``AutoProcessor.from_pretrained`` and any upstream modules a forced apply
+    purged, and drops the vendored modules from ``sys.modules``. Returns False
+    if nothing was applied.
     """
     with _LOCK:
         if not _STATE.applied:
@@ -512,6 +558,7 @@ def remove_patch() -> bool:
         steps, _STATE.undo = _STATE.undo, []
         _STATE.applied, _STATE.forced, _STATE.force_source = False, False, ""
         _STATE.processor_hook = False
+        _STATE.mlx_lm = False
         _run_undo(steps, version)
         _forget_vendored_modules()
         return True
@@ -521,7 +568,7 @@ def _forget_vendored_modules() -> None:
     """Drop vendored modules (and their attributes on the parent package)."""
     root = vendor_root()
     for name, module in list(sys.modules.items()):
-        if not (name.startswith("mlx_vlm.") and _within(getattr(module, "__file__", None), root)):
+        if not (name.startswith(("mlx_vlm.", "mlx_lm.")) and _within(getattr(module, "__file__", None), root)):
             continue
         del sys.modules[name]
         parent_name, _, child = name.rpartition(".")
