@@ -151,6 +151,7 @@ class MLXRunner:
         prefill_s = time.perf_counter() - tic
         lm = self.model.language_model
         build = 0.0
+        cpu = time.process_time()  # every thread of this process: the host and MLX's streams
         tic = time.perf_counter()
         for _ in range(decode):
             b = time.perf_counter()
@@ -162,6 +163,7 @@ class MLXRunner:
             y = next_y
         y.item()
         decode_s = time.perf_counter() - tic
+        cpu = time.process_time() - cpu
         # One more step, built under the guard in counting mode (not timed).
         with _sync_guard()("count") as guard:
             logits = lm(y[:, None], cache=cache).logits
@@ -169,8 +171,55 @@ class MLXRunner:
         return dict(
             prefill_s=prefill_s, prefill_tps=prompt / prefill_s, decode_s=decode_s,
             decode_tps=decode / decode_s, decode_build_ms=1000 * build / decode,
+            decode_cpu_ms=1000 * cpu / decode,
             host_syncs_per_step=sum(guard.calls.values()), host_sync_calls=guard.calls,
         )
+
+    def _decode_steps(self, y, cache, steps: int) -> None:
+        # The loop of ``text`` (mlx-lm's async pattern), untimed.
+        mx, lm = self.mx, self.model.language_model
+        for _ in range(steps):
+            next_y = mx.argmax(lm(y[:, None], cache=cache).logits[:, -1], axis=-1)
+            mx.async_eval(next_y)
+            y.item()
+            y = next_y
+        y.item()
+
+    def decode_profile(self, prompt: int, steps: int, top: int = 25) -> dict:
+        """cProfile of ``steps`` decode steps (the host side: graph build + waiting), top by own time."""
+        import cProfile
+        import pstats
+
+        y, cache = self._first_token(self._ids("text")[:, :prompt])
+        self._decode_steps(y, cache, 10)  # warm
+        profiler = cProfile.Profile()
+        profiler.enable()
+        self._decode_steps(y, cache, steps)
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        rows = []
+        for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
+            short = f"{pathlib.Path(path).name}:{line}({func})" if line else func
+            rows.append(dict(function=short, calls_per_step=nc / steps, own_us_per_step=1e6 * tt / steps,
+                             cum_us_per_step=1e6 * ct / steps))
+        rows.sort(key=lambda r: -r["own_us_per_step"])
+        return dict(steps=steps, top=rows[:top], total_s=stats.total_tt)
+
+    def decode_graph(self, prompt: int) -> dict:
+        """Nodes (primitives) in one decode step's graph, counted from ``mx.export_to_dot``."""
+        import collections
+        import re
+        import tempfile
+
+        mx = self.mx
+        y, cache = self._first_token(self._ids("text")[:, :prompt])
+        mx.eval([c.state for c in cache])
+        logits = self.model.language_model(y[:, None], cache=cache).logits
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, logits)
+            ops = re.findall(r'label\s*=\s*"([A-Za-z0-9_]+)', f.read())
+        mx.eval(logits)
+        return dict(nodes=len(ops), by_op=dict(collections.Counter(ops).most_common()))
 
     def _vision_call(self, pv, grid):
         mx = self.mx

@@ -224,3 +224,165 @@ def test_quantized_layer_in_small_chained_pieces_is_bit_identical(lanes, monkeyp
     mx.eval(split)
     assert len(calls) == 8
     assert mx.array_equal(whole, split).item()
+
+
+# ---------------------------------------------------------------- the unsplit path is the plain call
+def _graph(*outputs) -> str:
+    """The graph of ``outputs`` as ``mx.export_to_dot`` writes it, node ids renumbered in order
+    of appearance (arrays are already lettered in order): equal strings, equal graphs."""
+    import os
+    import re
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *outputs)
+        with open(path) as f:
+            text = f.read()
+    finally:
+        os.unlink(path)
+    ids = {}
+    return re.sub(r"\b\d{6,}\b", lambda m: str(ids.setdefault(m.group(0), len(ids))), text)
+
+
+def _plain(layer, x):
+    return layer.as_linear(x) if "embedding" in type(layer).__name__.lower() else layer(x)
+
+
+@pytest.fixture
+def no_pieces(monkeypatch):
+    """Fail if ``linear`` cuts a layer into row pieces (``_rows``); yields the calls made."""
+    calls = []
+    original = cpu_lanes._rows
+    monkeypatch.setattr(cpu_lanes, "_rows", lambda layer, x, a, b, after=None: calls.append((a, b)) or original(layer, x, a, b, after))
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(_layers()))
+@pytest.mark.parametrize("count", [1, 2])
+def test_small_layer_is_the_plain_call(lanes, no_pieces, name, count):
+    """Below the threshold (or with one lane) a decoder projection is ``layer(x)``: the same graph,
+    no row pieces, and the same bits as the split result."""
+    layer = _layers()[name]
+    dim = layer["weight"].shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
+    dtype = mx.bfloat16 if name.endswith("bf16") else mx.float32
+    x = mx.random.normal((1, 1, dim), key=mx.random.key(2)).astype(dtype)  # a decode step's [B, L, D]
+    lanes(3)
+    split = cpu_lanes.linear(layer, x)
+    mx.eval(split)
+    assert len(no_pieces) == 3
+    no_pieces.clear()
+    cpu_lanes.configure(count, min_weight_elements=1 << 20)
+    small = cpu_lanes.linear(layer, x)
+    assert _graph(small) == _graph(_plain(layer, x))
+    assert no_pieces == []
+    assert mx.array_equal(small, split).item()
+    # With a cast, only the cast is added.
+    cast = cpu_lanes.linear(layer, x, out_dtype=mx.float16)
+    assert _graph(cast) == _graph(_plain(layer, x).astype(mx.float16))
+
+
+def test_large_layer_with_one_lane_is_the_plain_call(lanes, no_pieces):
+    layer = nn.Linear(1024, 1024, bias=False)  # exactly the default threshold (2^20 elements)
+    x = mx.random.normal((1, 1, 1024), key=mx.random.key(4))
+    cpu_lanes.configure(2, min_weight_elements=1 << 20)
+    split = cpu_lanes.linear(layer, x)
+    mx.eval(split)
+    assert len(no_pieces) == 2
+    no_pieces.clear()
+    cpu_lanes.configure(1, min_weight_elements=1 << 20)
+    whole = cpu_lanes.linear(layer, x)
+    assert no_pieces == [] and _graph(whole) == _graph(layer(x))
+    assert mx.array_equal(whole, split).item()
+
+
+def test_float32_2d_activations_keep_the_transposed_operands(lanes, no_pieces):
+    """Vision-tower shape ([N, D], float32 weights): one piece over all rows, as before."""
+    layer = nn.Linear(96, 200, bias=True)
+    x = mx.random.normal((7, 96), key=mx.random.key(1))
+    cpu_lanes.configure(2, min_weight_elements=1 << 20)
+    whole = cpu_lanes.linear(layer, x)
+    assert no_pieces == [(0, 200)]
+    lanes(3)
+    assert mx.array_equal(whole, cpu_lanes.linear(layer, x)).item()
+
+
+def test_decode_attention_is_one_plain_call(lanes, monkeypatch):
+    q, k, v = _attention_inputs(8, 4, 1, 40, 16, mx.float32, batch=1)
+    calls = []
+    original = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(
+        cpu_lanes.mx.fast, "scaled_dot_product_attention",
+        lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
+    )
+    lanes(2)  # threshold 0: split over the lanes by KV-head groups
+    split = cpu_lanes.attention(q, k, v, 0.25, None)
+    assert calls == [(1, 4, 1, 16), (1, 4, 1, 16)]
+    calls.clear()
+    for count in (1, 2):
+        cpu_lanes.configure(count, min_weight_elements=1 << 20)
+        out = cpu_lanes.attention(q, k, v, 0.25, None)
+        assert calls == [(1, 8, 1, 16)]
+        calls.clear()
+        assert _graph(out) == _graph(original(q, k, v, scale=0.25, mask=None))
+        assert mx.array_equal(out, split).item()
+
+
+def _decode_logits(model, ref, steps=3):
+    cache = model.language_model.make_cache()
+    logits = [prefill(model, ref, cache)[-1]]
+    for token in ref["greedy_ids"][: steps - 1]:
+        logits.append(model.language_model(mx.array([[int(token)]]), cache=cache).logits[0, -1])
+    out = mx.stack(logits)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_tiny_model_decode_takes_the_plain_path(lanes, no_pieces, tiny_ckpt_mlx, reference, count):
+    """Default threshold: every tiny-model layer is the plain call, bit-identical to all split."""
+    from mlx_vlm.utils import load_model
+
+    model = load_model(tiny_ckpt_mlx)
+    ref = reference("text_long")
+    lanes(2)
+    split = _decode_logits(model, ref)
+    assert no_pieces
+    no_pieces.clear()
+    cpu_lanes.configure(count, min_weight_elements=1 << 20)
+    plain = _decode_logits(model, ref)
+    assert no_pieces == []
+    assert mx.array_equal(plain, split).item()
+
+
+def test_off_the_cpu_the_dispatch_adds_no_op(lanes, monkeypatch, tiny_ckpt_mlx):
+    """With MLX's default device reported as the GPU, one decoder layer's graph (prefill and a
+    decode step) is exactly the graph of the same layer with ``cpu_lanes`` replaced by the plain
+    calls (``layer(x)``, ``mx.fast.scaled_dot_product_attention``) — what upstream's layer calls.
+    The graph is still built on the CPU stream; only the Python branches see another device."""
+    from mlx_vlm.utils import load_model
+
+    language = vendored("language")
+    model = load_model(tiny_ckpt_mlx)
+    layer = model.language_model.model.layers[0]
+    lanes(2)  # threshold 0: on the CPU, everything would split
+    x = mx.random.normal((1, 5, layer.input_layernorm.weight.shape[0]), key=mx.random.key(8))
+
+    def run(length):
+        cache = model.language_model.make_cache()[0]
+        mx.eval(layer(x, language.Positions(offset=0), language.MaskBuilder(None), cache))
+        mx.eval(cache.state)
+        step = x[:, :length]
+        return layer(step, language.Positions(offset=5), language.MaskBuilder(None), cache)
+
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: gpu)
+    dispatched = [_graph(run(length)) for length in (1, 3)]
+    monkeypatch.setattr(cpu_lanes, "linear", lambda layer, x, out_dtype=None: _plain(layer, x))
+    monkeypatch.setattr(
+        cpu_lanes, "attention",
+        lambda q, k, v, scale, mask=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
+    )
+    plain = [_graph(run(length)) for length in (1, 3)]
+    assert dispatched == plain

@@ -142,6 +142,8 @@ def _rows(layer: nn.Module, x: mx.array, a: int, b: int, after: Optional[mx.arra
 
 
 _SPLITTABLE = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+_EMBEDDINGS = (nn.Embedding, nn.QuantizedEmbedding)
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 def _whole(layer: nn.Module, x: mx.array) -> mx.array:
@@ -157,23 +159,42 @@ def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) 
     ``nn.QuantizedEmbedding``; other modules, and every module off the CPU, are
     called as is. ``out_dtype``: cast the result (piece by piece, so the uncast
     whole never exists).
+
+    A layer that is not split (below the threshold, or one lane) is the layer's own
+    call, the ops upstream's model builds, with two CPU exceptions that are what this
+    function has always returned: float32 weights with 2-D activations (transposed
+    operands, see ``_rows``) and quantized layers whose scales/biases would be cast
+    to float32 in one large piece (chained pieces, below).
     """
-    if type(layer) not in _SPLITTABLE or mx.default_device() != mx.cpu:
+    kind = type(layer)
+    if kind not in _SPLITTABLE or mx.default_device() != mx.cpu:
         out = _whole(layer, x)
         return out if out_dtype is None else out.astype(out_dtype)
+    if _count is None:
+        configure()
     weight = layer["weight"]
-    packed = 32 // layer.bits if hasattr(layer, "bits") else 1
-    streams = lanes(weight.size * packed) or (None,)
-    pieces = len(streams)
-    chained = False
-    if packed > 1 and x.dtype == mx.float32 and layer["scales"].dtype != mx.float32:
+    quantized = kind in _QUANTIZED
+    if quantized:
+        elements = weight.size * (32 // layer.bits)
         # quantized_matmul casts the piece's scales and biases to float32 first; for the tied
         # head (256000 rows) that is 66 MB at once. Small pieces, each lane's waiting for its
         # previous one, keep the casts in flight to a few MB at unchanged speed.
-        cast_bytes = 2 * layer["scales"].size * 4
-        per_lane = max(1, -(-cast_bytes // (_MAX_CAST_BYTES * pieces)))
-        chained = per_lane > 1
-        pieces *= per_lane
+        scales = layer["scales"]
+        cast_bytes = 8 * scales.size if x.dtype == mx.float32 and scales.dtype != mx.float32 else 0
+    else:
+        elements, cast_bytes = weight.size, 0
+    if (_count < 2 or elements < _min_elements) and cast_bytes <= _MAX_CAST_BYTES:
+        # Unsplit: the plain call (no slices, no lane bookkeeping).
+        if quantized or weight.dtype != mx.float32 or x.ndim != 2:
+            out = layer.as_linear(x) if kind in _EMBEDDINGS else layer(x)
+        else:
+            out = _rows(layer, x, 0, weight.shape[0])
+        return out if out_dtype is None else out.astype(out_dtype)
+    streams = lanes(elements) or (None,)
+    pieces = len(streams)
+    per_lane = max(1, -(-cast_bytes // (_MAX_CAST_BYTES * pieces)))
+    chained = per_lane > 1
+    pieces *= per_lane
     cuts = _bounds(weight.shape[0], pieces)
     parts: List[mx.array] = []
     last = [None] * len(streams)
@@ -208,6 +229,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     batch, hq, length, _ = q.shape
     hkv, keys = k.shape[1], k.shape[2]
+    if _count is None:
+        configure()
+    if length <= 32 and (_count < 2 or hkv < 2 or length * keys * q.shape[3] * hq < _min_elements):
+        # Unsplit and a single block (blocks hold at least 32 rows): decode steps, short chunks.
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     arr = isinstance(mask, mx.array)
     per_head_mask = arr and mask.ndim >= 3 and mask.shape[-3] != 1
     streams = lanes(length * keys * q.shape[3] * hq) if hkv > 1 and not per_head_mask else ()
