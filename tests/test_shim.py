@@ -90,6 +90,7 @@ def shim_state() -> Dict[str, Any]:
     """Everything apply_patch may touch, by value and identity."""
     models_path = getattr(mlx_vlm.models, "__path__", None)
     table = getattr(prompt_utils, "MODEL_CONFIG", None)
+    lm_path = getattr(importlib.import_module("mlx_lm.models"), "__path__", None)
     return {
         "mlx_vlm.__path__": list(mlx_vlm.__path__),
         "mlx_vlm.models.__path__": None if models_path is None else list(models_path),
@@ -98,6 +99,7 @@ def shim_state() -> Dict[str, Any]:
         "AutoProcessor.from_pretrained": vars(AutoProcessor).get("from_pretrained"),
         "modules": {n: id(m) for n, m in package_modules().items()},
         "models.cohere_compass": id(vars(mlx_vlm.models).get("cohere_compass")),
+        "mlx_lm.models.__path__": None if lm_path is None else list(lm_path),
     }
 
 
@@ -326,14 +328,15 @@ def test_eight_threads_apply_exactly_once(unpatched):
         ("mlx_vlm.prompt_utils", "MessageFormat"),
         ("mlx_vlm.models", "__path__"),
         ("transformers.AutoProcessor", "from_pretrained"),
+        ("mlx_lm.models", "__path__"),  # looked up only with mlx_lm=True
     ],
 )
 def test_missing_hook_raises_and_leaves_mlx_vlm_unchanged(unpatched, monkeypatch, owner, attr):
-    target = AutoProcessor if owner == "transformers.AutoProcessor" else sys.modules[owner]
+    target = AutoProcessor if owner == "transformers.AutoProcessor" else importlib.import_module(owner)
     monkeypatch.delattr(target, attr)
     before = shim_state()
     with pytest.raises(CompassCompatError) as err:
-        apply_patch(force_vendored=True)
+        apply_patch(force_vendored=True, mlx_lm=owner.startswith("mlx_lm."))
     assert f"{owner}.{attr}" in str(err.value) and MLX_VLM_VERSION in str(err.value)
     assert err.value.hooks == (f"{owner}.{attr}",)
     assert err.value.mlx_vlm_version == MLX_VLM_VERSION
