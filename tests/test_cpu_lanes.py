@@ -357,32 +357,32 @@ def test_tiny_model_decode_takes_the_plain_path(lanes, no_pieces, tiny_ckpt_mlx,
 
 
 def test_off_the_cpu_the_dispatch_adds_no_op(lanes, monkeypatch, tiny_ckpt_mlx):
-    """With MLX's default device reported as the GPU, one decoder layer's graph (prefill and a
-    decode step) is exactly the graph of the same layer with ``cpu_lanes`` replaced by the plain
-    calls (``layer(x)``, ``mx.fast.scaled_dot_product_attention``) — what upstream's layer calls.
-    The graph is still built on the CPU stream; only the Python branches see another device."""
+    """With MLX's default device reported as the GPU, the decoder's graph (a 3-token chunk and a
+    decode step, every layer and the head) is exactly the graph of the same model with
+    ``cpu_lanes`` replaced by the plain calls (``layer(x)``, ``as_linear`` for the tied head,
+    ``mx.fast.scaled_dot_product_attention``), which is what upstream's layers call. The graph is
+    still built on the CPU stream; only the Python branches see another device."""
     from mlx_vlm.utils import load_model
 
-    language = vendored("language")
-    model = load_model(tiny_ckpt_mlx)
-    layer = model.language_model.model.layers[0]
+    lm = load_model(tiny_ckpt_mlx).language_model
     lanes(2)  # threshold 0: on the CPU, everything would split
-    x = mx.random.normal((1, 5, layer.input_layernorm.weight.shape[0]), key=mx.random.key(8))
 
-    def run(length):
-        cache = model.language_model.make_cache()[0]
-        mx.eval(layer(x, language.Positions(offset=0), language.MaskBuilder(None), cache))
-        mx.eval(cache.state)
-        step = x[:, :length]
-        return layer(step, language.Positions(offset=5), language.MaskBuilder(None), cache)
+    def graphs():
+        cache = lm.make_cache()
+        mx.eval(lm(mx.array([[5, 6, 7, 8]]), cache=cache).logits)
+        mx.eval([c.state for c in cache])
+        chunk = lm(mx.array([[9, 10, 11]]), cache=cache).logits
+        out = [_graph(chunk)]
+        mx.eval(chunk)
+        mx.eval([c.state for c in cache])
+        return out + [_graph(lm(mx.array([[12]]), cache=cache).logits)]
 
     gpu = mx.Device(mx.gpu)
     monkeypatch.setattr(mx, "default_device", lambda: gpu)
-    dispatched = [_graph(run(length)) for length in (1, 3)]
+    dispatched = graphs()
     monkeypatch.setattr(cpu_lanes, "linear", lambda layer, x, out_dtype=None: _plain(layer, x))
     monkeypatch.setattr(
         cpu_lanes, "attention",
         lambda q, k, v, scale, mask=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
     )
-    plain = [_graph(run(length)) for length in (1, 3)]
-    assert dispatched == plain
+    assert graphs() == dispatched

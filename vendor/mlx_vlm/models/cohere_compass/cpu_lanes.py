@@ -185,7 +185,7 @@ def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) 
         elements, cast_bytes = weight.size, 0
     if (_count < 2 or elements < _min_elements) and cast_bytes <= _MAX_CAST_BYTES:
         # Unsplit: the plain call (no slices, no lane bookkeeping).
-        if quantized or weight.dtype != mx.float32 or x.ndim != 2:
+        if x.ndim != 2 or quantized or weight.dtype != mx.float32:
             out = layer.as_linear(x) if kind in _EMBEDDINGS else layer(x)
         else:
             out = _rows(layer, x, 0, weight.shape[0])
