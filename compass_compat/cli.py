@@ -5,6 +5,7 @@ Subcommands:
 - ``generate``: mlx-vlm's generate flags (``--model --image --prompt --max-tokens
   --temperature ...``); without ``--model`` it builds (once) and uses a tiny default
   checkpoint with RANDOM weights, without ``--image`` it uses the bundled demo picture.
+  ``--draw-boxes OUT.png`` draws the answer's ``[x1, y1, x2, y2]`` boxes on a copy of the image.
 - ``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
   inputs answered by a 400 (``compass_compat.server_guard``).
 - ``convert``: the installed mlx-vlm's converter (its flags, e.g. ``--hf-path ... --mlx-path
@@ -191,6 +192,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.no_image and args.image:
         raise CliError("--no-image and --image exclude each other")
     images = [] if args.no_image else check_images(args.image or [str(DEMO_IMAGE)])
+    box_output = check_box_flags(args, images)
 
     import mlx.core as mx
     from mlx_vlm import load, stream_generate
@@ -220,10 +222,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         log("note: " + RANDOM_WEIGHTS_NOTE)
 
     last = None
+    pieces = []
     for result in stream_generate(
         model, processor, formatted, image=images or None, max_tokens=args.max_tokens, temperature=args.temperature
     ):
         print(result.text, end="", flush=True)
+        pieces.append(result.text)
         last = result
     print(flush=True)
     if args.verbose and last is not None:
@@ -231,7 +235,85 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec")
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec")
         print(f"Peak memory: {last.peak_memory:.3f} GB")
+    if box_output is not None:
+        lines = draw_answer_boxes("".join(pieces), images, args.box_image_index, box_output)
+        if args.verbose:
+            print("=" * 10)
+            print("\n".join(lines), flush=True)
+        else:  # --no-verbose keeps stdout to the text alone
+            for line in lines:
+                log(line)
     return 0
+
+
+def check_box_flags(args: argparse.Namespace, images: Sequence[str]) -> Optional[Path]:
+    """The --draw-boxes output path, checked before the model loads; None without the flag."""
+    if args.draw_boxes is None:
+        if args.box_image_index is not None:
+            raise CliError("--box-image-index needs --draw-boxes")
+        return None
+    if not images:
+        raise CliError("--draw-boxes needs an image to draw on; drop --no-image")
+    index = 0 if args.box_image_index is None else args.box_image_index
+    if not 0 <= index < len(images):
+        raise CliError(f"--box-image-index {index}: there are {len(images)} images (0 is the first)")
+    from PIL import Image
+
+    path = Path(args.draw_boxes).expanduser()
+    fmt = Image.registered_extensions().get(path.suffix.lower())
+    if fmt is None or fmt not in Image.SAVE:
+        raise CliError(f"--draw-boxes {args.draw_boxes}: name an image file Pillow can write (.png, .jpg, ...)")
+    if path.is_dir():
+        raise CliError(f"--draw-boxes {path}: is a folder; name the image file to write")
+    if not path.parent.is_dir():
+        raise CliError(f"--draw-boxes {path}: folder not found: {path.parent}")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"--draw-boxes {path}: not writable")
+    return path
+
+
+def draw_answer_boxes(text: str, images: Sequence[str], index: Optional[int], output: Path) -> List[str]:
+    """Find the boxes in ``text``, draw them on a copy of image ``index``, write it; the report lines.
+
+    With no box in the text the copy is still written, unannotated (an earlier run's file is
+    never left looking like this run's answer), and the report says nothing was found.
+    """
+    from mlx_vlm.utils import load_image
+
+    from .boxes import GRID, draw_boxes, format_number, scan_boxes, to_pixels
+
+    explicit, index = index is not None, 0 if index is None else index
+    source = images[index]
+    try:
+        image = load_image(source)  # what the model saw: EXIF orientation applied, RGB
+    except Exception as err:
+        raise CliError(f"--draw-boxes: cannot read {source}: {err}") from err
+    matches = scan_boxes(text)
+    boxes = [m.box for m in matches if m.problem is None]
+    picture = f"{source} ({image.width}x{image.height}" + (f", image {index} of {len(images)})" if len(images) > 1 else ")")
+    if boxes:
+        lines = [f"Boxes: {len(boxes)} found in the text (0-{GRID} grid) -> pixels of {picture}:"]
+    else:
+        lines = [f"Boxes: none found in the text (no [x1, y1, x2, y2] list on the 0-{GRID} grid)"]
+    for n, box in enumerate(boxes, 1):
+        grid = ", ".join(format_number(v) for v in box)
+        px = ", ".join(format_number(v) for v in to_pixels(box, image.size))
+        lines.append(f"  {n}: [{grid}] -> ({px})")
+    for m in matches:
+        if m.problem is not None:
+            lines.append(f"  ignored [{', '.join(format_number(v) for v in m.values)}]: {m.problem}")
+    annotated = draw_boxes(image, boxes, [str(n) for n in range(1, len(boxes) + 1)])
+    try:
+        annotated.save(output)
+    except (OSError, ValueError) as err:
+        raise CliError(f"--draw-boxes {output}: could not write it: {err}") from err
+    if boxes:
+        lines.append(f"Wrote {output}: a copy of the image with the {len(boxes)} boxes, labelled as numbered above")
+    else:
+        lines.append(f"Wrote {output}: an unannotated copy of {picture}")
+    if len(images) > 1 and not explicit:
+        lines.append(f"Drew on the first of {len(images)} images; --box-image-index N picks another (0 is the first)")
+    return lines
 
 
 # --------------------------------------------------------------------------- server
@@ -434,6 +516,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
+    gen.add_argument(
+        "--draw-boxes", metavar="OUT.png",
+        help=(
+            "after generating, find [x1, y1, x2, y2] boxes (0-1000 grid) in the text, draw them on a "
+            "copy of the first image and write it to OUT.png (unannotated if none are found)"
+        ),
+    )
+    gen.add_argument(
+        "--box-image-index", type=int, metavar="N",
+        help="with --draw-boxes and several images, draw on image N instead (0 is the first)",
+    )
     gen.add_argument(
         "--verbose", action=argparse.BooleanOptionalAction, default=True,
         help="print model, images, prompt and speed around the text (default); --no-verbose prints the text only",
