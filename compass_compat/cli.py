@@ -256,7 +256,8 @@ def check_box_flags(args: argparse.Namespace, images: Sequence[str]) -> Optional
         raise CliError("--draw-boxes needs an image to draw on; drop --no-image")
     index = 0 if args.box_image_index is None else args.box_image_index
     if not 0 <= index < len(images):
-        raise CliError(f"--box-image-index {index}: there are {len(images)} images (0 is the first)")
+        count = f"{len(images)} image" + ("s" if len(images) > 1 else "")
+        raise CliError(f"--box-image-index {index}: out of range for {count} (0 is the first)")
     from PIL import Image
 
     path = Path(args.draw_boxes).expanduser()
@@ -266,7 +267,8 @@ def check_box_flags(args: argparse.Namespace, images: Sequence[str]) -> Optional
     if path.is_dir():
         raise CliError(f"--draw-boxes {path}: is a folder; name the image file to write")
     if not path.parent.is_dir():
-        raise CliError(f"--draw-boxes {path}: folder not found: {path.parent}")
+        what = "not a folder" if path.parent.exists() else "folder not found"
+        raise CliError(f"--draw-boxes {path}: {what}: {path.parent}")
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise CliError(f"--draw-boxes {path}: not writable")
     return path

@@ -156,7 +156,7 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
     "argv, words",
     [
         (["--help"], ["generate", "server", "convert", "run", "info"]),
-        (["generate", "--help"], ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "RANDOM"]),
+        (["generate", "--help"], ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "--draw-boxes", "--box-image-index", "RANDOM"]),
         (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
         (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
         (["run", "--help"], ["COMPASS_COMPAT_AUTOPATCH", "mlx_vlm.generate"]),
