@@ -39,7 +39,7 @@ import math
 import numbers
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import hashlib
 import threading
@@ -69,6 +69,133 @@ _TOKENIZER_CALL_KEYS = (
     "truncation", "max_length", "pad_to_multiple_of", "return_attention_mask",
     "return_token_type_ids", "return_length", "verbose",
 )
+
+
+# ---------------------------------------------------------------- pixel bounds
+#
+# Which min / max pixel bounds an image is resized within, resolved from a checkpoint folder
+# the way transformers 5.24 resolves them (read from its processing_utils.ProcessorMixin,
+# image_processing_base.get_image_processor_dict and the cohere_compass image processors,
+# and measured on folders of each layout: tests/test_pixel_bounds.py). Two levels, the
+# same rule at each: start from the level below, let a `size` object replace its entries,
+# then let the legacy `min_pixels` / `max_pixels` keys replace those.
+#
+#   level                     | where the values come from, highest first
+#   --------------------------+----------------------------------------------------------------
+#   1. image processor        | from_pretrained kwargs (`size`, `min_pixels`, `max_pixels`);
+#      (built once, at load)  | the settings file: processor_config.json's `image_processor`
+#                             | block when that key exists (then preprocessor_config.json is
+#                             | not read at all), else preprocessor_config.json; defaults.
+#                             | Inside one dict `min_pixels`/`max_pixels` beat `size`, so a
+#                             | file's min_pixels beats a from_pretrained `size`.
+#   2. processor call         | call kwargs; from_pretrained kwargs (transformers hands them to
+#      (every __call__)       | the tokenizer too, so they land in its init kwargs); the
+#                             | tokenizer_config.json keys `size` / `min_pixels` / `max_pixels`
+#                             | (ProcessorMixin._merge_kwargs merges tokenizer init kwargs into
+#                             | the image kwargs); then level 1. Again min/max beat `size`, so
+#                             | a call `size` loses to tokenizer_config.json's min/max_pixels.
+#
+# The published CohereLabs folder: preprocessor_config.json 65536 / 16777216 but
+# tokenizer_config.json 16384 / 3868706, so 16384 / 3868706 (224x224 -> 49 tokens,
+# 4032x3024 -> 3710). An mlx-vlm >= 0.6.13 conversion adds processor_config.json whose
+# block says 16384 / 3868706: the same.
+# compass-compat: where the reference would differ for no purpose, this does not:
+# - a key missing from the winning settings file takes the published value (the reference
+#   takes its class defaults: 3136 / 1003520 pixels, patch 14, CLIP mean/std);
+# - a None call kwarg means "not given" (the reference fails on it), and a `size` given with
+#   one edge keeps the other from the level below (the reference fails unless min/max fill it);
+# - the image processor built by CohereCompassProcessor.from_pretrained carries the level-2
+#   bounds of a call without kwargs, so `image_processor.num_image_tokens` (mlx-vlm 0.7.10's
+#   estimate) and `.min_pixels`/`.max_pixels` say what the processor produces;
+# - tokenizer_config.json keys other than these three are not merged into image kwargs.
+
+PIXEL_BOUND_KEYS = ("size", "min_pixels", "max_pixels")
+_EDGE_OF = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+
+
+class PixelBounds(NamedTuple):
+    """Resolved bounds (unvalidated: the caller checks them) and where each came from.
+
+    ``min_source`` / ``max_source`` read like ``"tokenizer_config.json min_pixels"``;
+    ``image_config`` is the winning settings dict (level 1's file), ``image_config_file``
+    its name or None; ``call_defaults`` the level-2 kwargs a call without kwargs gets.
+    """
+
+    min_pixels: Any
+    max_pixels: Any
+    min_source: str
+    max_source: str
+    image_config: Any
+    image_config_file: Optional[str]
+    call_defaults: Dict[str, Any]
+
+
+def apply_pixel_keys(edges: Dict[str, Any], values: Dict[str, Any], source: str,
+                     sources: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys.
+
+    The one rule of both levels. None values count as absent; a `size` that is not an
+    object is left for the caller's validation. ``sources`` (edge -> label) is updated.
+    """
+    edges = dict(edges)
+    labels = [("size", edge, f"{source} size.{edge}") for edge in ("shortest_edge", "longest_edge")]
+    labels += [(key, edge, f"{source} {key}") for key, edge in _EDGE_OF.items()]
+    for key, edge, label in labels:
+        value = values.get(key)
+        if key == "size":
+            value = value.get(edge) if isinstance(value, dict) else None
+        if value is not None:
+            edges[edge] = value
+            if sources is not None:
+                sources[edge] = label
+    return edges
+
+
+def image_processor_settings(processor_config: Any, preprocessor_config: Any) -> tuple:
+    """(settings dict, its file) as transformers 5.24 picks them: processor_config.json's
+    ``image_processor`` block if the key is there, else preprocessor_config.json."""
+    if isinstance(processor_config, dict) and "image_processor" in processor_config:
+        return processor_config["image_processor"], "processor_config.json image_processor"
+    if preprocessor_config is not None:
+        return preprocessor_config, "preprocessor_config.json"
+    return {}, None
+
+
+def resolve_pixel_bounds(image_config: Any, image_config_file: Optional[str] = None,
+                         tokenizer_config: Optional[dict] = None, load_kwargs: Optional[dict] = None,
+                         call_kwargs: Optional[dict] = None) -> PixelBounds:
+    """The two levels above, on already-read dicts (see :func:`read_pixel_bounds`)."""
+    load = {k: v for k, v in (load_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    call = {k: v for k, v in (call_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    sources = {"shortest_edge": "default", "longest_edge": "default"}
+    edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
+    # Level 1: the settings file, then from_pretrained kwargs over it (one dict, then one rule).
+    file_values = image_config if isinstance(image_config, dict) else {}
+    level1 = {k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
+              for k in PIXEL_BOUND_KEYS}
+    for key in PIXEL_BOUND_KEYS:  # applied key by key so each edge keeps its own source
+        value, source = level1[key]
+        edges = apply_pixel_keys(edges, {key: value}, source or "image processor", sources)
+    # Level 2: tokenizer_config.json, from_pretrained kwargs (the tokenizer's too), the call.
+    token_values = {k: v for k, v in (tokenizer_config or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    defaults = {k: (v, "tokenizer_config.json") for k, v in token_values.items()}
+    defaults.update({k: (v, "from_pretrained") for k, v in load.items()})
+    merged = {**defaults, **{k: (v, "call") for k, v in call.items()}}
+    for key in PIXEL_BOUND_KEYS:
+        if key in merged:
+            value, source = merged[key]
+            edges = apply_pixel_keys(edges, {key: value}, source, sources)
+    return PixelBounds(edges["shortest_edge"], edges["longest_edge"], sources["shortest_edge"],
+                       sources["longest_edge"], image_config, image_config_file,
+                       {k: v for k, (v, _) in defaults.items()})
+
+
+def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None) -> PixelBounds:
+    """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
+    folder = Path(folder)
+    config, name = image_processor_settings(_read_json(folder / "processor_config.json"),
+                                            _read_json(folder / "preprocessor_config.json"))
+    return resolve_pixel_bounds(config, name, _read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
@@ -291,14 +418,12 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         # Checkpoints may carry spatial_merge_size (the vision config's name) or neither.
         merge_size = kwargs.pop("spatial_merge_size", merge_size)
         super().__init__(**kwargs)
-        size = dict(size) if size is not None else {}
-        # Legacy keys win over `size`, as in the reference.
-        if min_pixels is not None:
-            size["shortest_edge"] = min_pixels
-        if max_pixels is not None:
-            size["longest_edge"] = max_pixels
-        size.setdefault("shortest_edge", DEFAULT_MIN_PIXELS)
-        size.setdefault("longest_edge", DEFAULT_MAX_PIXELS)
+        # Legacy keys win over `size`, as in the reference (apply_pixel_keys: the one rule).
+        size = apply_pixel_keys(
+            {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS},
+            {"size": dict(size) if size is not None else None, "min_pixels": min_pixels, "max_pixels": max_pixels},
+            "image processor",
+        )
         self.size = {
             "shortest_edge": _positive_int("size.shortest_edge (min_pixels)", size["shortest_edge"]),
             "longest_edge": _positive_int("size.longest_edge (max_pixels)", size["longest_edge"]),
@@ -341,14 +466,28 @@ class CohereCompassImageProcessor(BaseImageProcessor):
     def from_dict(cls, image_processor_dict: Dict[str, Any], **kwargs):
         # The base classes set kwargs as attributes after __init__, skipping validation.
         return_unused = kwargs.pop("return_unused_kwargs", False)
+        # As in transformers 5.24: kwargs update the dict, so a file's min_pixels / max_pixels
+        # still beat a `size` kwarg (see "pixel bounds" above).
         config = dict(image_processor_dict)
-        if "size" in kwargs:  # an explicit size replaces the file's legacy pixel keys too
-            config.pop("min_pixels", None)
-            config.pop("max_pixels", None)
         overrides = {k: v for k, v in kwargs.items() if k in IMAGE_PROCESSOR_KEYS}
         unused = {k: v for k, v in kwargs.items() if k not in IMAGE_PROCESSOR_KEYS}
         processor = cls(**{**config, **overrides})
         return (processor, unused) if return_unused else processor
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """From a local folder (or its settings file), the file picked as transformers 5.24
+        picks it on every pin (4.57 would read preprocessor_config.json first); kwargs as in
+        :meth:`from_dict`. Bounds of an image processor alone: level 1 of "pixel bounds"."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_file():
+            config = _read_json(path)
+        elif path.is_dir():
+            config, _ = image_processor_settings(_read_json(path / "processor_config.json"),
+                                                 _read_json(path / "preprocessor_config.json"))
+        else:
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        return cls.from_dict(config, **kwargs)
 
     def _with_overrides(self, overrides: Dict[str, Any]) -> "CohereCompassImageProcessor":
         overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -574,9 +713,16 @@ class CohereCompassProcessor:
     vision_start_token = "<|VISION_START|>"
     vision_end_token = "<|VISION_END|>"
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, image_defaults=None, **kwargs):
         if tokenizer is None:
             raise ValueError("CohereCompassProcessor needs a tokenizer")
+        # Level 2 of "pixel bounds": image kwargs every call starts from. from_pretrained passes
+        # them (read from the folder's files); otherwise the tokenizer's init kwargs hold them,
+        # as transformers' ProcessorMixin reads them.
+        if image_defaults is None:
+            init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
+            image_defaults = {k: init_kwargs[k] for k in PIXEL_BOUND_KEYS if init_kwargs.get(k) is not None}
+        self.image_defaults = dict(image_defaults)
         self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
         self.tokenizer = tokenizer
         # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
@@ -606,12 +752,15 @@ class CohereCompassProcessor:
         _compass_compat_checks(path)  # compass-compat (issue 9): before reading any file
         overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         tokenizer = _load_tokenizer(path)
-        preprocessor = _read_json(path / "preprocessor_config.json") or {}
-        image_processor = CohereCompassImageProcessor.from_dict(preprocessor, **overrides)
+        bounds = read_pixel_bounds(path, load_kwargs=overrides)
+        image_processor = CohereCompassImageProcessor.from_dict(bounds.image_config, **overrides)
+        if bounds.call_defaults:  # what a call without kwargs uses, so num_image_tokens agrees
+            image_processor = image_processor._with_overrides(bounds.call_defaults)
         chat_template = kwargs.pop("chat_template", None) or load_chat_template(path, tokenizer)
         if getattr(tokenizer, "chat_template", None) is None and chat_template is not None:
             tokenizer.chat_template = chat_template  # for callers that template via the tokenizer
-        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                   image_defaults=bounds.call_defaults)
 
     def save_pretrained(self, save_directory, **kwargs):
         path = Path(save_directory)
@@ -652,6 +801,8 @@ class CohereCompassProcessor:
         if text is None and images is None:
             raise ValueError("CohereCompassProcessor needs text, images or both")
         image_kwargs = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        # Call kwargs over the tokenizer-level defaults (level 2 of "pixel bounds").
+        image_kwargs = {**self.image_defaults, **{k: v for k, v in image_kwargs.items() if v is not None}}
         tokenizer_kwargs = {k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs}
         if kwargs:
             logger.warning("CohereCompassProcessor ignores unsupported argument(s): %s", sorted(kwargs))
@@ -777,4 +928,7 @@ def _compass_compat_checks(path: Path) -> None:
     validate_checkpoint(path, require_weights=False)
 
 
-__all__ = ["CohereCompassImageProcessor", "CohereCompassProcessor", "smart_resize"]
+__all__ = [
+    "CohereCompassImageProcessor", "CohereCompassProcessor", "PixelBounds", "read_pixel_bounds",
+    "resolve_pixel_bounds", "smart_resize",
+]
