@@ -386,3 +386,50 @@ def test_off_the_cpu_the_dispatch_adds_no_op(lanes, monkeypatch, tiny_ckpt_mlx):
         lambda q, k, v, scale, mask=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
     )
     assert graphs() == dispatched
+
+
+# ---------------------------------------------------------------- rope with one table per forward
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("offset", [0, 1001, 70000, "per-row"])
+@pytest.mark.parametrize("length", [1, 37])
+def test_rope_with_shared_table_is_bit_identical(dtype, offset, length):
+    rope = nn.RoPE(128, traditional=False, base=50000.0)
+    if offset == "per-row":
+        offset = mx.array([5, 1001, 70000])  # a batch cache's per-row offsets
+    tables = {}
+    for heads in (4, 2, 6):  # q, k, and a merged q|k all reuse the one table
+        x = mx.random.normal((3, heads, length, 128), key=mx.random.key(heads)).astype(dtype)
+        plain = rope(x, offset=offset)
+        shared = cpu_lanes.rope(rope, x, offset, tables)
+        assert shared.dtype == plain.dtype and mx.array_equal(shared, plain).item()
+    assert len(tables) == 1
+
+
+def test_rope_table_made_once_per_forward(monkeypatch):
+    ropes = [nn.RoPE(64, traditional=False, base=20000.0) for _ in range(3)]  # one per layer, equal
+    calls = []
+    original = mx.fast.rope
+    monkeypatch.setattr(cpu_lanes.mx.fast, "rope", lambda x, *a, **kw: calls.append(x.shape) or original(x, *a, **kw))
+    tables = {}
+    x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3))
+    outs = [cpu_lanes.rope(r, x, 9, tables) for r in ropes]
+    assert calls == [(1, 1, 1, 64)]  # the probe only
+    for out in outs:
+        assert mx.array_equal(out, original(x, 64, traditional=False, base=20000.0, scale=1.0, offset=9)).item()
+
+
+def test_rope_plain_call_where_no_table_applies(monkeypatch):
+    x = mx.random.normal((1, 4, 3, 64), key=mx.random.key(4))
+    cases = [
+        (nn.RoPE(64, traditional=False, base=1e4), x, None),  # no tables given
+        (nn.RoPE(64, traditional=True, base=1e4), x, {}),  # traditional layout
+        (nn.RoPE(32, traditional=False, base=1e4), x, {}),  # partial rotation
+        (nn.RoPE(64, traditional=False, base=1e4), x[0], {}),  # 3-D input
+    ]
+    for rope, inp, tables in cases:
+        assert _graph(cpu_lanes.rope(rope, inp, 5, tables)) == _graph(rope(inp, offset=5))
+        assert not tables  # None or still empty
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: gpu)
+    rope, tables = nn.RoPE(64, traditional=False, base=1e4), {}
+    assert _graph(cpu_lanes.rope(rope, x, 5, tables)) == _graph(rope(x, offset=5)) and not tables

@@ -214,6 +214,43 @@ def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) 
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def rope(rope: nn.Module, x: mx.array, offset, tables: Optional[dict] = None) -> mx.array:
+    """``rope(x, offset=offset)`` for an ``nn.RoPE``, arranged for MLX's CPU backend.
+
+    MLX has no CPU rope kernel: each ``mx.fast.rope`` call is built from ~20 primitives, its
+    cos/sin table included, which on a small model is a large share of a decode step. With
+    ``tables`` (a dict the caller keeps for one forward pass, i.e. one offset) the table is
+    made once per (dims, base, scale, length, dtype) and every call adds only the rotation
+    (``x1*cos - x2*sin``, ``x1*sin + x2*cos``). The table is ``mx.fast.rope`` itself applied
+    to a probe (ones, then zeros: exactly cos and sin), so results are bit-identical to the
+    plain call (tests/test_cpu_lanes.py). Off the CPU, without ``tables``, for other rope
+    classes, traditional layout or partial rotation, it is the plain call.
+    """
+    if (
+        tables is None
+        or type(rope) is not nn.RoPE
+        or rope.traditional
+        or x.ndim != 4
+        or x.shape[-1] != rope.dims
+        or mx.default_device() != mx.cpu
+    ):
+        return rope(x, offset=offset)
+    batch = x.shape[0] if isinstance(offset, mx.array) and offset.size > 1 else 1
+    length, half = x.shape[2], rope.dims // 2
+    key = ("cpu_lanes.rope", rope.dims, rope.base, rope.scale, batch, length, x.dtype)
+    table = tables.get(key)
+    if table is None:
+        probe = mx.broadcast_to(
+            mx.concatenate([mx.ones((half,), x.dtype), mx.zeros((half,), x.dtype)]),
+            (batch, 1, length, rope.dims),
+        )
+        both = rope(probe, offset=offset)
+        table = tables[key] = (both[..., :half], both[..., half:])
+    cos, sin = table
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``, arranged for MLX's CPU backend.
 
