@@ -674,13 +674,19 @@ def _preprocessor_probe(ctx: Context) -> Dict[str, Any]:
     The ``small_max_pixels`` checkpoint's file says min 16384 / max 65536 pixels and a
     non-default mean/std. A solid 64x64 image must be scaled up to the min-pixel bound and
     normalise to exactly ``(v/255 - mean) / std``; the 640x480 fixture image must be scaled
-    down under the max-pixel bound.
+    down under the max-pixel bound. The bounds are the folder's as transformers resolves them
+    (``checkpoint_checks.pixel_bounds``: processor_config.json's block over this file,
+    tokenizer_config.json's min/max_pixels over both), the resolution the processor and the
+    checkpoint checks use.
     """
+    from .checkpoint_checks import pixel_bounds
+
     folder = ctx.checkpoint("small_max_pixels")
-    conf = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    bounds = pixel_bounds(folder)
+    conf = bounds.image_config
     model, processor = ctx.load(folder)
     factor = conf["patch_size"] * conf["merge_size"]
-    lo, hi = conf["size"]["shortest_edge"], conf["size"]["longest_edge"]
+    lo, hi = bounds.min_pixels, bounds.max_pixels
     colour = (200, 120, 40)
     probes = [
         ("solid 64x64", _solid_image(ctx.workdir / "solid_64x64.png", (64, 64), colour), (64, 64)),

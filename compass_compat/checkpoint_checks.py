@@ -10,7 +10,11 @@ headers, never tensor data, never a pickle, never checkpoint code) and raises
   (mlx-vlm >= 0.7 would execute it), values the model accepts (the vendored
   ``ModelConfig`` is the judge), and, for a folder with weights, a ``text_config`` with
   ``rope_parameters`` and a ``vision_config``;
-- ``preprocessor_config.json``: positive pixel bounds and patch sizes;
+- the image settings: the file transformers reads them from (``processor_config.json``'s
+  ``image_processor`` block, else ``preprocessor_config.json``) has positive patch sizes, and
+  the pixel bounds the processor will use (that file plus ``tokenizer_config.json``'s
+  ``min_pixels`` / ``max_pixels``, resolved by the vendored processor's
+  ``resolve_pixel_bounds``) are positive with min <= max;
 - weights: safetensors only (pickle files are ignored, or refused when they are all there
   is), each header well formed and not truncated, every tensor the model needs present
   with the shape ``config.json`` implies and nothing else, and a ``quantization`` block
@@ -30,8 +34,8 @@ runs this check before it, so a refused folder has had none of these read:
   folder as given (``../`` and absolute names included), and ``hf_quant_config.json``;
 - 0.7.x: the file named by config.json's ``model_file``, which it imports (runs).
 
-The files the processor reads (tokenizer files, ``preprocessor_config.json``, chat
-templates) are checked before they are opened, on every pin; mlx-vlm reads
+The files the processor reads (tokenizer files, ``processor_config.json``,
+``preprocessor_config.json``, chat templates) are checked before they are opened, on every pin; mlx-vlm reads
 ``tokenizer.json`` again only after the processor was built. Nothing here unpickles,
 imports checkpoint code, or honours ``trust_remote_code``. So that a folder is refused
 before mlx-vlm's first read, the shim wraps ``mlx_vlm.utils.load_model`` to call
@@ -128,7 +132,7 @@ def validate_checkpoint(path: Any, *, require_weights: bool = True) -> Checkpoin
     _check_model_type(folder, config)
     notes.extend(_check_code_keys(folder, config))
     model_config = _model_config(folder, config)
-    _check_preprocessor(folder, _read_json(folder, "preprocessor_config.json", required=False))
+    _check_image_settings(folder)
 
     weight_files, ignored = _weight_files(folder, roots)
     if not weight_files:
@@ -299,29 +303,79 @@ def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
 # ------------------------------------------------------------------ preprocessor
 
 
-def _check_preprocessor(folder: Path, pre: Optional[Dict[str, Any]]) -> None:
-    if pre is None:
+@functools.lru_cache(maxsize=1)
+def processing_module():
+    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one
+    the processor, these checks and the checklist share): the live module when the vendored
+    package is live, else loaded by path (upstream's package may be the live one)."""
+    from ._patch import vendor_root
+
+    path = (vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE / "processing_cohere_compass.py").resolve()
+    live = sys.modules.get(f"mlx_vlm.models.{MODEL_TYPE}.processing_cohere_compass")
+    if live is not None and Path(getattr(live, "__file__", None) or "").resolve() == path:
+        return live
+    name = "compass_compat._checked_processing"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pixel_bounds(folder: Any, load_kwargs: Optional[Dict[str, Any]] = None,
+                 call_kwargs: Optional[Dict[str, Any]] = None):
+    """The min / max pixels a cohere_compass processor built from ``folder`` resizes within,
+    with their sources (``PixelBounds``; the precedence table is in the vendored processor's
+    "pixel bounds" section). Values are not validated here: :func:`validate_checkpoint` does."""
+    return processing_module().read_pixel_bounds(Path(os.fspath(folder)), load_kwargs, call_kwargs)
+
+
+def _check_image_settings(folder: Path) -> None:
+    module = processing_module()
+    settings, source = module.image_processor_settings(
+        _read_json(folder, "processor_config.json", required=False),
+        _read_json(folder, "preprocessor_config.json", required=False))
+    if source is None:
         return
-    size = pre.get("size")
+    file = source.split()[0]
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{source} in {folder} must be a JSON object, not {type(settings).__name__}; "
+                              "restore it from the published checkpoint", folder=folder, file=file)
+    size = settings.get("size")
     if size is not None and not isinstance(size, dict):
-        raise CheckpointError(f"preprocessor_config.json in {folder}: size must be an object with "
-                              "shortest_edge / longest_edge (min / max pixels)", folder=folder,
-                              file="preprocessor_config.json")
+        raise CheckpointError(f"{source} in {folder}: size must be an object with "
+                              "shortest_edge / longest_edge (min / max pixels)", folder=folder, file=file)
     values = {f"size.{k}": v for k, v in (size or {}).items() if k in ("shortest_edge", "longest_edge")}
-    values.update({k: pre[k] for k in _PREPROCESSOR_INTS if pre.get(k) is not None})
+    values.update({k: settings[k] for k in _PREPROCESSOR_INTS if settings.get(k) is not None})
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not _positive_int(value):
             raise CheckpointError(
-                f"preprocessor_config.json in {folder}: {key} must be a positive integer, got {value!r}; "
+                f"{source} in {folder}: {key} must be a positive integer, got {value!r}; "
                 "restore it from the published checkpoint (size.shortest_edge 65536 = min pixels, "
                 "size.longest_edge 16777216 = max pixels, patch_size 16, merge_size 2, "
-                "temporal_patch_size 2)", folder=folder, file="preprocessor_config.json")
-    low = pre.get("min_pixels", values.get("size.shortest_edge"))
-    high = pre.get("max_pixels", values.get("size.longest_edge"))
-    if low is not None and high is not None and low > high:
-        raise CheckpointError(f"preprocessor_config.json in {folder}: min pixels ({low}) exceed max pixels "
-                              f"({high}); restore the published values", folder=folder,
-                              file="preprocessor_config.json")
+                "temporal_patch_size 2)", folder=folder, file=file)
+    tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False)
+    bounds = module.resolve_pixel_bounds(settings, source, tokenizer_config)
+    for what, value, where in (("min_pixels", bounds.min_pixels, bounds.min_source),
+                               ("max_pixels", bounds.max_pixels, bounds.max_source)):
+        if not _positive_int(value):  # only tokenizer_config.json is left to hold a bad one
+            raise CheckpointError(
+                f"{_file_of(where)} in {folder}: {what} must be a positive integer, got {value!r} (from "
+                f"{where}); the processor merges it into every image call. Restore the published value "
+                "(tokenizer_config.json: min_pixels 16384, max_pixels 3868706) or remove the key",
+                folder=folder, file=_file_of(where))
+    if bounds.min_pixels > bounds.max_pixels:
+        raise CheckpointError(
+            f"{folder}: min pixels {bounds.min_pixels} (from {bounds.min_source}) exceed max pixels "
+            f"{bounds.max_pixels} (from {bounds.max_source}); restore the published values",
+            folder=folder, file=_file_of(bounds.min_source))
+
+
+def _file_of(source: str) -> Optional[str]:
+    return None if source == "default" else source.split()[0]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # ------------------------------------------------------------------ weight files
