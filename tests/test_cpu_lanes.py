@@ -402,7 +402,7 @@ def test_rope_with_shared_table_is_bit_identical(dtype, offset, length):
         plain = rope(x, offset=offset)
         shared = cpu_lanes.rope(rope, x, offset, tables)
         assert shared.dtype == plain.dtype and mx.array_equal(shared, plain).item()
-    assert len(tables) == 1
+    assert len({k[:7] for k in tables}) == 1  # one table (plus its broadcasts per shape)
 
 
 def test_rope_table_made_once_per_forward(monkeypatch):

@@ -246,8 +246,12 @@ def rope(rope: nn.Module, x: mx.array, offset, tables: Optional[dict] = None) ->
         )
         both = rope(probe, offset=offset)
         table = tables[key] = (both[..., :half], both[..., half:])
-    cos, sin = table
     x1, x2 = x[..., :half], x[..., half:]
+    # Broadcast once per shape too: each multiply would otherwise add its own broadcast nodes.
+    shaped = tables.get(key + x1.shape)
+    if shaped is None:
+        shaped = tables[key + x1.shape] = tuple(mx.broadcast_to(t, x1.shape) for t in table)
+    cos, sin = shaped
     return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
