@@ -8,7 +8,10 @@ by the same kernel over the same inputs, so results are bit-identical to the
 unsplit call (tests/test_cpu_lanes.py). Measured on a 2-core x86-64 machine,
 mlx 0.32.4: a bfloat16 2048->6144 projection 10.0 -> 5.8 ms for one token and
 590 -> 290 ms for 128 tokens. Attention also takes its queries in blocks on the
-CPU, whatever the lane count, so the scores it materialises stay small.
+CPU, whatever the lane count, so the scores it materialises stay small. Layers that
+are not split are the layer's own call (the graph upstream builds), and ``rope``
+shares one cos/sin table per forward pass: on a small model a decode step's cost
+is the number of primitives MLX schedules and the Python that builds them.
 
 Chosen by device: only when MLX's default device is the CPU. Metal/CUDA take the
 plain layer call. The lane count defaults to the cores this process may use on
