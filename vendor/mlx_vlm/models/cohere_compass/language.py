@@ -3,6 +3,7 @@ interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -80,7 +81,8 @@ class MultimodalRotary:
 
     def apply(self, x: mx.array, positions: "Positions") -> mx.array:
         if positions.explicit is None:
-            return self._fast(x, offset=positions.offset)
+            # compass-compat: on the CPU one cos/sin table per forward (bit-identical).
+            return cpu_lanes.rope(self._fast, x, positions.offset, positions._tables)
         cos, sin = positions.cos_sin(self)
         out = x.astype(mx.float32) * cos + _rotate_half(x.astype(mx.float32)) * sin
         return out.astype(x.dtype)
@@ -139,8 +141,13 @@ class Attention(nn.Module):
         k = project(self.k_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = project(self.v_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self._rotary is not None:
-            q = self._rotary.apply(q, positions)
-            k = self._rotary.apply(k, positions)
+            if mx.default_device() == mx.cpu:
+                # compass-compat: one rotation for q and k on the CPU (elementwise: bit-identical).
+                qk = self._rotary.apply(mx.concatenate([q, k], axis=1), positions)
+                q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            else:
+                q = self._rotary.apply(q, positions)
+                k = self._rotary.apply(k, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         mask = masks.get(L, k.shape[2], self.window)
@@ -181,6 +188,11 @@ def is_batch_cache(c: Any) -> bool:
     return c is not None and isinstance(getattr(c, "offset", None), mx.array) and c.offset.ndim == 1
 
 
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -195,7 +207,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def __call__(self, x):
-        return project(self.down_proj, nn.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        return project(self.down_proj, _swiglu(project(self.gate_proj, x), project(self.up_proj, x)))
 
 
 class LayerNorm(nn.Module):
