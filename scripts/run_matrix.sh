@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Run the whole test suite in every mlx-vlm pin environment and print a table.
+# Run the whole test suite in every environment of the mlx-vlm matrix and print a table.
 #
-# Usage: scripts/run_matrix.sh [PIN ...]      (default: every pin in scripts/pins.sh)
+# Usage: scripts/run_matrix.sh [ENV ...]      (default: every environment in scripts/pins.sh;
+#                                              an ENV is an mlx-vlm version, e.g. 0.6.12, or a
+#                                              version with a tag, e.g. 0.4.4-tf5.17)
 #
-# - Creates or updates .venvs/mlxvlm-<pin> first (scripts/make_envs.sh, idempotent).
+# - Creates or updates .venvs/mlxvlm-<env> first (scripts/make_envs.sh, idempotent), with the
+#   exact versions recorded in scripts/constraints/mlxvlm-<env>.txt; MAKE_ENVS_REFRESH=1
+#   resolves afresh and rewrites those records.
 # - Runs `python -m pytest tests -q` in each env from the repo root; junit XML and the
 #   full log of each run go to build/matrix/<run>.{xml,log}.
-# - A pin whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
-#   twice: "<pin>" as users get it (upstream wins) and "<pin>+forced" with
+# - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
+#   twice: "<env>" as users get it (upstream wins) and "<env>+forced" with
 #   COMPASS_COMPAT_FORCE_VENDORED=1, where the vendored model is the live one.
 # - Exits non-zero if any environment could not be built or any run failed; pytest's
 #   exit code 5 (no tests collected) counts as a failure.
@@ -17,12 +21,13 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=scripts/pins.sh
 source "$root/scripts/pins.sh"
 pins=("$@")
-[ ${#pins[@]} -gt 0 ] || pins=("${ALL_PINS[@]}")
+[ ${#pins[@]} -gt 0 ] || pins=("${ALL_ENVS[@]}")
+for pin in "${pins[@]}"; do env_requirements "$pin" >/dev/null || exit 2; done
 out="$root/build/matrix"
 mkdir -p "$out"
 matrix_start=$(date +%s)
 
-rows=()      # "run|mlx-vlm|passed|failed|skipped|seconds|status"
+rows=()      # "run|mlx-vlm|transformers|passed|failed|skipped|seconds|status"
 failed_runs=0
 total_passed=0; total_failed=0; total_skipped=0
 
@@ -36,10 +41,10 @@ EOF
 }
 
 for pin in "${pins[@]}"; do
-  env="$root/.venvs/mlxvlm-$pin"
+  env="$(env_dir "$pin")"
   if ! bash "$root/scripts/make_envs.sh" "$pin"; then
-    echo "[matrix] mlx-vlm $pin: environment could not be built" >&2
-    rows+=("$pin|$pin|-|-|-|-|ENV FAILED"); failed_runs=$((failed_runs + 1)); continue
+    echo "[matrix] $pin: environment could not be built" >&2
+    rows+=("$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED"); failed_runs=$((failed_runs + 1)); continue
   fi
   py="$env/bin/python"
   runs=("$pin|0")
@@ -76,7 +81,8 @@ for pin in "${pins[@]}"; do
       tail -n 1 "$log" | sed "s/^/[matrix] $label: /"
     fi
     version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx-vlm'))" 2>/dev/null || echo "?")
-    rows+=("$label|$version|$passed|$failed|$skipped|$seconds|$status")
+    tf=$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || echo "?")
+    rows+=("$label|$version|$tf|$passed|$failed|$skipped|$seconds|$status")
     total_passed=$((total_passed + passed)); total_failed=$((total_failed + failed))
     total_skipped=$((total_skipped + skipped))
   done
@@ -84,10 +90,10 @@ done
 
 wall=$(( $(date +%s) - matrix_start ))
 echo
-printf '%-16s %-9s %7s %7s %8s %8s  %s\n' run mlx-vlm passed failed skipped seconds status
+printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
 for row in "${rows[@]}"; do
-  IFS='|' read -r label version passed failed skipped seconds status <<<"$row"
-  printf '%-16s %-9s %7s %7s %8s %8s  %s\n' "$label" "$version" "$passed" "$failed" "$skipped" "$seconds" "$status"
+  IFS='|' read -r label version tf passed failed skipped seconds status <<<"$row"
+  printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"
 done
 echo "[matrix] wall time ${wall}s (environments included); logs in build/matrix/"
 if [ $failed_runs -gt 0 ] && [ $total_failed -eq 0 ]; then

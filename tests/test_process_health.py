@@ -312,12 +312,14 @@ THREADS_SCRIPT = textwrap.dedent(
 
 def test_four_threads_each_patch_load_and_generate(runs, fresh):
     report = runs["threads"]
-    mlx_vlm_threadsafe_stream = rel.MLX_VLM_VERSION >= (0, 6) or rel.MLX_VERSION < (0, 31)
+    # mlx 0.32 made streams per thread; mlx-vlm < 0.6 keeps a module-level stream, so with
+    # mlx >= 0.32 its stream_generate cannot run outside the importing thread (measured:
+    # mlx-vlm 0.4.4 fails with mlx 0.32.4, works with mlx 0.31.2, what its hosts resolve).
+    mlx_vlm_threadsafe_stream = rel.MLX_VLM_VERSION >= (0, 6) or rel.MLX_VERSION < (0, 32)
     if mlx_vlm_threadsafe_stream:
         assert report["stream_error"] is None  # stream_generate itself ran in the threads
     else:
-        # mlx-vlm 0.4.4 with mlx 0.32: stream_generate cannot run outside the importing
-        # thread; the threads drive the model directly (prefill + argmax steps) instead.
+        # the threads drive the model directly (prefill + argmax steps) instead.
         assert report["stream_error"] == "There is no Stream(cpu, 0) in current thread."
     assert [r["ids"] for r in report["single"]] == [fresh["default"]] * 2
     for round_ in report["threaded"]:
