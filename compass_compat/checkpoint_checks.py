@@ -334,9 +334,7 @@ def _check_image_settings(folder: Path) -> None:
     settings, source = module.image_processor_settings(
         _read_json(folder, "processor_config.json", required=False),
         _read_json(folder, "preprocessor_config.json", required=False))
-    if source is None:
-        return
-    file = source.split()[0]
+    file = source.split()[0] if source else None
     if not isinstance(settings, dict):
         raise CheckpointError(f"{source} in {folder} must be a JSON object, not {type(settings).__name__}; "
                               "restore it from the published checkpoint", folder=folder, file=file)
@@ -354,6 +352,10 @@ def _check_image_settings(folder: Path) -> None:
                 "size.longest_edge 16777216 = max pixels, patch_size 16, merge_size 2, "
                 "temporal_patch_size 2)", folder=folder, file=file)
     tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False)
+    if (tokenizer_config or {}).get("size") is not None and not isinstance(tokenizer_config["size"], dict):
+        raise CheckpointError(f"tokenizer_config.json in {folder}: size must be an object with shortest_edge / "
+                              "longest_edge (min / max pixels); the processor merges it into every image call",
+                              folder=folder, file="tokenizer_config.json")
     bounds = module.resolve_pixel_bounds(settings, source, tokenizer_config)
     for what, value, where in (("min_pixels", bounds.min_pixels, bounds.min_source),
                                ("max_pixels", bounds.max_pixels, bounds.max_source)):

@@ -252,6 +252,17 @@ def test_checks_refuse_bad_tokenizer_bounds(loadable, tmp_path):
                                               r"integer, got 0") as info:
         validate_checkpoint(folder)
     assert info.value.file == "tokenizer_config.json"
+    _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("size", 1024)))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json in .*: size must be an object"):
+        validate_checkpoint(folder)
+
+
+def test_checks_read_tokenizer_bounds_without_a_settings_file(loadable, tmp_path):
+    folder = rec.build_folder("cohere_original", tmp_path / "bare", base=loadable["cohere_original"])
+    (folder / "preprocessor_config.json").unlink()
+    _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("min_pixels", -1))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json in .*: min_pixels must be a positive"):
+        validate_checkpoint(folder)
 
 
 def test_checks_refuse_min_over_max_across_files(loadable, tmp_path):
