@@ -42,6 +42,15 @@ PIXEL_TOL = 1e-6  # as tests/test_processor.py: PIL resize is shared, float math
 
 
 def _has_reference() -> bool:
+    # As tests/test_processor.py: transformers ships cohere_compass before 5.21 but resolves
+    # differently there (measured with 5.17: tokenizer_config.json's min_pixels or max_pixels
+    # alone is not applied, a call `size` beats a from_pretrained min_pixels); the reference is
+    # 5.21+, so an older one is skipped like a missing one.
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.21"):
+        return False
     try:
         importlib.import_module("transformers.models.cohere_compass.image_processing_pil_cohere_compass")
     except ImportError:
@@ -51,8 +60,8 @@ def _has_reference() -> bool:
 
 needs_reference = pytest.mark.skipif(
     not _has_reference(),
-    reason="the live reference is transformers >= 5.21 (mlx-vlm 0.7.10 env); this pin compares with "
-           "tests/fixtures/pixel_bounds.json instead")
+    reason="the live reference is transformers >= 5.21 (the 0.6.12 / 0.7.10 envs); this env compares "
+           "with tests/fixtures/pixel_bounds.json (recorded from transformers 5.24) instead")
 
 
 @pytest.fixture(scope="module")
