@@ -209,6 +209,7 @@ class Model(nn.Module):
         # BatchGenerator) concatenate each key over the rows that have it, so a key only some
         # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
         rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
+        self.language_model.remember_deltas(rope_deltas, np.asarray(deltas).reshape(-1).tolist())
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
         self.language_model._rope_deltas = rope_deltas

@@ -288,6 +288,8 @@ class LanguageModel(nn.Module):
         self.spatial_merge_size = spatial_merge_size
         # Names and meaning as Qwen-VL language models in mlx-vlm: hosts read and reset them.
         self._rope_deltas: Optional[mx.array] = None
+        # The deltas array get_input_embeddings made, with its values known on the host.
+        self._known_deltas: Tuple[Optional[mx.array], Tuple[int, ...]] = (None, ())
         self._position_ids: Optional[mx.array] = None
         self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
 
@@ -330,6 +332,11 @@ class LanguageModel(nn.Module):
         )
         return mx.array(position_ids), mx.array(deltas.reshape(-1, 1))
 
+    def remember_deltas(self, deltas: mx.array, values: Sequence[int]) -> None:
+        """Record that ``deltas`` (an array a host will pass back) holds ``values``, so the
+        positions it gives need no device read and take the scalar-offset rope."""
+        self._known_deltas = (deltas, tuple(int(v) for v in values))
+
     def _chunk_start(self, kind: str, full: mx.array, L: int, columns: int) -> int:
         """Where this forward's L tokens start in an array that covers more than them.
 
@@ -358,6 +365,8 @@ class LanguageModel(nn.Module):
         delta = rope_deltas if rope_deltas is not None else (None if batched else self._rope_deltas)
         if delta is None:
             return Positions(offset=offset)
+        if delta is self._known_deltas[0] and len(set(self._known_deltas[1])) == 1:
+            delta = self._known_deltas[1][0]  # one delta for every row, known without a device read
         if isinstance(delta, (int, np.integer)):
             return Positions(offset=offset + int(delta))
         delta = delta.reshape(-1) if isinstance(delta, mx.array) else mx.array(np.asarray(delta).reshape(-1))
