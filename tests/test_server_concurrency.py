@@ -4,26 +4,33 @@ From 0.6 its server decodes concurrent requests together (a BatchGenerator over 
 caches) and, with ``APC_ENABLED=1``, serves repeated prompt prefixes from its automatic
 prefix cache. Each request here must return exactly the text that
 ``python -m compass_compat generate`` gives for it alone: mixed image and text requests of
-different lengths, sent at once, then repeated (cache hits). Older pins serve one request at
-a time; the same checks run there too.
+different lengths sent at once, and repeated requests served from the prefix cache. Older
+pins serve one request at a time; the same checks run there too.
+
+Concurrency and the prefix cache are tested on separate servers: with the prefix cache on,
+mlx-vlm cuts a batch's prefill at each row's checkpoint column, and a one-column chunk hits
+a bug of mlx-lm's ``BatchRotatingKVCache`` (tests/test_batching.py, strict xfail), not ours.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
+import re
 import threading
-import urllib.request
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from packaging.version import Version
 
 pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)")
 
 from compass_compat import cli
-from test_server import MAX_TOKENS, Server, data_uri, reply_text
+from test_server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
+from vendored import vendored
+
+vendored()  # upstream 0.7.10's own cohere_compass fails these (measured); the checklist reports upstream
 
 # name -> (image fixture or None, prompt)
 REQUESTS = {
@@ -58,13 +65,25 @@ def alone(tiny_ckpt_original, fixture_images) -> Dict[str, str]:
     return texts
 
 
+def start(ckpt, tmp_path_factory, name: str, env=None) -> Server:
+    return Server(ckpt, tmp_path_factory.mktemp(name) / "server.log", env=env).wait_ready()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_original, tmp_path_factory):
-    log = tmp_path_factory.mktemp("concurrency") / "server.log"
-    # Prefix caching on, with blocks small enough for these short prompts (ignored before 0.6).
-    s = Server(tiny_ckpt_original, log, env={"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"})
+    s = start(tiny_ckpt_original, tmp_path_factory, "concurrency")
     try:
-        yield s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def cached_server(tiny_ckpt_original, tmp_path_factory):
+    # Prefix caching on, with blocks small enough for these short prompts (ignored before 0.6).
+    s = start(tiny_ckpt_original, tmp_path_factory, "prefix_cache", env={"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"})
+    try:
+        yield s
     finally:
         s.stop()
 
@@ -98,18 +117,44 @@ def test_each_request_alone_gives_the_cli_text(server, alone, fixture_images):
         check({f"0:{name}": server.post(content(name, fixture_images))}, alone, server)
 
 
+def _batch_prefill_merges_mrope_positions() -> bool:
+    import importlib
+
+    try:
+        ar = importlib.import_module("mlx_vlm.generate.ar")
+    except ImportError:  # before 0.6: no batch generator, requests are served one at a time
+        return True
+    return hasattr(ar, "_is_mrope_position_ids_prompt_kwarg")
+
+
+# mlx-vlm 0.6.3's batch generator slices a [3, B, L] position_ids by its first axis and does
+# not pad it, so a batched prefill of two prompts of different lengths fails (500) for any
+# model that returns MRoPE positions. Its own bug; 0.6.12 merges them row by row.
+needs_position_merge = pytest.mark.skipif(
+    not _batch_prefill_merges_mrope_positions(),
+    reason=f"mlx-vlm {VERSION}'s batch generator cannot merge [3, B, L] position_ids of different lengths",
+)
+
+
+@needs_position_merge
 def test_concurrent_mixed_requests_each_give_their_own_text(server, alone, fixture_images):
     names = ["image_a", "text_long", "image_b", "text_short"]
     check(send_together(server, names, fixture_images), alone, server)
 
 
-def test_the_same_requests_again_from_the_prefix_cache(server, alone, fixture_images):
-    """Second and third time round: repeated prefixes (cache hits where the pin caches)."""
+@needs_position_merge
+def test_the_same_requests_again(server, alone, fixture_images):
     for _ in range(2):
         check(send_together(server, ["text_long", "image_a", "image_a"], fixture_images), alone, server)
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=10) as r:
-        health = json.loads(r.read())
-    apc = health.get("apc") if isinstance(health, dict) else None
-    if isinstance(apc, dict) and apc.get("enabled"):
-        hits = {k: v for k, v in apc.items() if "hit" in k}
-        assert any(isinstance(v, (int, float)) and v > 0 for v in hits.values()), f"no prefix-cache hits: {apc}"
+
+
+def test_repeated_requests_from_the_prefix_cache_give_the_same_text(cached_server, alone, fixture_images):
+    for _ in range(3):
+        for name in ("text_long", "image_a"):
+            check({f"0:{name}": cached_server.post(content(name, fixture_images))}, alone, cached_server)
+    cached_server.log.flush()
+    hits = [int(n) for n in re.findall(r"cached_tokens=(\d+)", cached_server.log_path.read_text(errors="replace"))]
+    if VERSION >= Version("0.7"):
+        # 0.7.x reuses the prefixes (measured: 33 of 34 and 93 of 94 prompt tokens from the cache);
+        # 0.6.x's prefix cache never hits for this model (cached_tokens=0 every time, also alone).
+        assert any(h > 0 for h in hits), f"no request was served from the prefix cache: {hits}"

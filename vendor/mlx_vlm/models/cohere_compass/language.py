@@ -435,6 +435,8 @@ class LanguageModel(nn.Module):
             masks = MaskBuilder(None, per_window)
         else:
             padding = mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
+            if padding is not None and not isinstance(padding, mx.array):
+                padding = mx.array(padding)  # the processor's numpy attention_mask (mlx-vlm 0.3.x)
             masks = MaskBuilder(padding)
         h = self.model(h, positions, masks, cache, deepstack)
         keep = kwargs.get("logits_to_keep") or 0

@@ -385,7 +385,10 @@ def _batch(data: Dict[str, Any], return_tensors) -> BatchFeature:
     import mlx.core as mx
 
     arrays = BatchFeature(data=data, tensor_type="np")
-    return BatchFeature(data={k: mx.array(v) for k, v in arrays.items()})
+    # compass-compat: attention_mask stays numpy. mlx-vlm 0.6.3's server copies it with
+    # mx.array() on the request thread; with mlx >= 0.32's per-thread streams the generation
+    # thread cannot evaluate that copy and the server aborts ("no Stream(cpu, 1)").
+    return BatchFeature(data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()})
 
 
 class CohereCompassImageProcessor(BaseImageProcessor):
