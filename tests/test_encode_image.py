@@ -29,6 +29,12 @@ def encode(model, case):
     return model.encode_image(mx.array(case["pixel_values"]), case["image_grid_thw"])
 
 
+def as_dict(model, features, grid):
+    """encode_image's array in the older dict form, which also carries the grid."""
+    parts = mx.split(features, features.shape[-1] // model.config.text_config.hidden_size, axis=-1)
+    return {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]), "image_grid_thw": mx.array(grid)}
+
+
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
 def test_replay_gives_bit_identical_logits(model, reference, name):
     case = reference(name)
@@ -68,12 +74,8 @@ def test_features_are_one_array_a_host_can_cache(model, reference):
 
 def test_the_older_dict_form_is_still_accepted(model, reference):
     case = reference("img_448")
-    enc = encode(model, case)
-    D = model.config.text_config.hidden_size
-    parts = mx.split(enc, enc.shape[-1] // D, axis=-1)
-    as_dict = {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]),
-               "image_grid_thw": mx.array(case["image_grid_thw"])}
-    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=as_dict))
+    old_form = as_dict(model, encode(model, case), case["image_grid_thw"])
+    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=old_form))
 
 
 def test_features_of_the_wrong_width_are_refused(model, reference):
@@ -129,11 +131,7 @@ def test_mismatched_replay_raises_the_count_error(model, reference):
 
 def test_same_count_different_grid_is_refused(model, reference):
     case = reference("img_448")
-    enc = encode(model, case)
-    D = model.config.text_config.hidden_size
-    parts = mx.split(enc, enc.shape[-1] // D, axis=-1)
-    enc = {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]),
-           "image_grid_thw": mx.array([[1, 56, 14]])}
+    enc = as_dict(model, encode(model, case), [[1, 56, 14]])
     with pytest.raises(ValueError, match="re-encode"):
         logits(model, case, cached_image_features=enc)
 
