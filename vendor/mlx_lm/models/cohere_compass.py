@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlx_vlm.models.cohere_compass import config as _config, language as _language
+from mlx_vlm.models.cohere_compass import cohere_compass as _model, config as _config, language as _language
 
 # The decoder must be the vendored one next to this file, never an upstream mlx-vlm's
 # package of the same name (mlx-vlm >= 0.6.13 ships one with other classes).
@@ -36,8 +36,6 @@ if Path(_language.__file__).resolve().parents[3] != _VENDOR:
 
 # mlx-lm's loader calls ModelArgs.from_dict(config.json): the full config, as mlx-vlm reads it.
 ModelArgs = _config.ModelConfig
-
-_VISION_PREFIXES = ("model.visual.", "vision_tower.")
 
 
 class Model(nn.Module):
@@ -64,20 +62,11 @@ class Model(nn.Module):
         ]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        """Both layouts onto ``language_model.*``, vision tower dropped (idempotent).
-
-        CohereLabs: ``model.language_model.*``, ``lm_head.*``, ``model.visual.*``;
-        MLX conversions: ``language_model.model.*``, ``language_model.lm_head.*``, ``vision_tower.*``.
-        """
+        """Both layouts onto ``language_model.*`` as the vendored mlx-vlm model maps them
+        (``weight_key``), the vision tower dropped (idempotent)."""
         out = {}
         for key, value in weights.items():
-            if key.startswith(_VISION_PREFIXES) or key.endswith("position_ids"):
-                continue
-            if key.startswith("model.language_model."):
-                key = key.replace("model.language_model.", "language_model.model.", 1)
-            elif key.startswith("lm_head."):
-                key = key.replace("lm_head.", "language_model.lm_head.", 1)
-            if self.args.tie_word_embeddings and key.startswith("language_model.lm_head."):
-                continue
-            out[key] = value
+            key = _model.weight_key(key, self.args.tie_word_embeddings)
+            if key is not None and not key.startswith("vision_tower."):
+                out[key] = value
         return out

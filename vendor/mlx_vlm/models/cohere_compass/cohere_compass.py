@@ -261,25 +261,40 @@ class Model(nn.Module):
         )
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        """Map both published layouts onto this module tree (idempotent).
-
-        CohereLabs: ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``;
-        MLX conversions: ``language_model.model.*``, ``vision_tower.*``.
-        """
+        """Map both published layouts onto this module tree (idempotent); see :func:`weight_key`."""
+        tied = self.config.tie_word_embeddings
         out = {}
         for key, value in weights.items():
-            if key.endswith("position_ids"):
-                continue
-            if key.startswith("model.language_model."):
-                key = key.replace("model.language_model.", "language_model.model.", 1)
-            elif key.startswith("model.visual."):
-                key = key.replace("model.visual.", "vision_tower.", 1)
-            elif key.startswith("lm_head."):
-                key = key.replace("lm_head.", "language_model.lm_head.", 1)
-            if self.config.tie_word_embeddings and key.startswith("language_model.lm_head."):
-                continue
-            out[key] = value
+            key = weight_key(key, tied)
+            if key is not None:
+                out[key] = value
         return self.vision_tower.sanitize(out)
+
+
+# Original (CohereLabs) prefixes and where they live in this module tree (MLX conversions' names).
+_LAYOUT = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "vision_tower."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def weight_key(key: str, tied: bool) -> Optional[str]:
+    """A stored weight's name in this module tree, or None for a tensor the model drops.
+
+    CohereLabs: ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``; MLX
+    conversions: ``language_model.model.*``, ``vision_tower.*``. ``position_ids`` buffers
+    and, with a tied head, ``lm_head`` are dropped. Idempotent.
+    """
+    if key.endswith("position_ids"):
+        return None
+    for src, dst in _LAYOUT:
+        if key.startswith(src):
+            key = key.replace(src, dst, 1)
+            break
+    if tied and key.startswith("language_model.lm_head."):
+        return None
+    return key
 
 
 def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:
