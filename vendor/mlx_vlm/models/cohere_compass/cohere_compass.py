@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import ModelConfig, grid_sequence
-from .language import LanguageModel, get_rope_index
+from .language import LanguageModel, get_rope_index, padding_rows
 from .processing_cohere_compass import GRID_MEMO
 from .vision import VisionModel
 
@@ -197,7 +197,7 @@ class Model(nn.Module):
             image_grid_thw,
             self.config.image_token_id,
             self._merge,
-            attention_mask=np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None,
+            attention_mask=padding_rows(mask),
             mm_token_type_ids=is_image.astype(np.int32),
         )
         return self._with_positions(
@@ -226,8 +226,7 @@ class Model(nn.Module):
         """A text-only prompt in the same per-row form as an image prompt (no deepstack memory:
         the zeros are a broadcast until a host concatenates rows)."""
         B, L, D = embeds.shape
-        padding = np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
-        position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
+        position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding_rows(mask))
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
         visual = mx.zeros((B, L), dtype=mx.bool_)

@@ -246,14 +246,13 @@ class CompassTextModel(nn.Module):
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def __call__(self, h, positions, masks, cache, deepstack=None):
-        """``deepstack``: ``[B, L, K, D]`` (zero off the image tokens) or K arrays ``[B, L, D]``."""
-        count = 0 if deepstack is None else (deepstack.shape[2] if isinstance(deepstack, mx.array) else len(deepstack))
+        """``deepstack``: ``[B, L, K, D]``, zero off the image tokens."""
+        count = 0 if deepstack is None else deepstack.shape[2]
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, positions, masks, c)
             # Deepstack residuals go in after decoder layers 0..k-1 only.
             if i < count:
-                residual = deepstack[:, :, i] if isinstance(deepstack, mx.array) else deepstack[i]
-                h = h + residual.astype(h.dtype)
+                h = h + deepstack[:, :, i].astype(h.dtype)
         return self.norm(h)
 
 
@@ -288,8 +287,8 @@ class LanguageModel(nn.Module):
         self.spatial_merge_size = spatial_merge_size
         # Names and meaning as Qwen-VL language models in mlx-vlm: hosts read and reset them.
         self._rope_deltas: Optional[mx.array] = None
-        # The deltas array get_input_embeddings made, with its values known on the host.
-        self._known_deltas: Tuple[Optional[mx.array], Tuple[int, ...]] = (None, ())
+        # The deltas array get_input_embeddings made, and its one value when every row has it.
+        self._known_deltas: Tuple[Optional[mx.array], Optional[int]] = (None, None)
         self._position_ids: Optional[mx.array] = None
         self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
 
@@ -322,20 +321,20 @@ class LanguageModel(nn.Module):
             raise NotImplementedError("cohere_compass in compass-compat does not support video inputs yet")
         if image_grid_thw is not None and self.image_token_id is None:
             raise ValueError("get_rope_index needs image_token_id: build LanguageModel through Model")
-        mask = None if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 else np.array(attention_mask)
         position_ids, deltas = get_rope_index(
             np.array(input_ids),
             image_grid_thw,
             -1 if self.image_token_id is None else self.image_token_id,
             self.spatial_merge_size,
-            attention_mask=mask,
+            attention_mask=padding_rows(attention_mask),
         )
         return mx.array(position_ids), mx.array(deltas.reshape(-1, 1))
 
     def remember_deltas(self, deltas: mx.array, values: Sequence[int]) -> None:
         """Record that ``deltas`` (an array a host will pass back) holds ``values``, so the
         positions it gives need no device read and take the scalar-offset rope."""
-        self._known_deltas = (deltas, tuple(int(v) for v in values))
+        single = {int(v) for v in values}
+        self._known_deltas = (deltas, single.pop() if len(single) == 1 else None)
 
     def _chunk_start(self, kind: str, full: mx.array, L: int, columns: int) -> int:
         """Where this forward's L tokens start in an array that covers more than them.
@@ -365,8 +364,8 @@ class LanguageModel(nn.Module):
         delta = rope_deltas if rope_deltas is not None else (None if batched else self._rope_deltas)
         if delta is None:
             return Positions(offset=offset)
-        if delta is self._known_deltas[0] and len(set(self._known_deltas[1])) == 1:
-            delta = self._known_deltas[1][0]  # one delta for every row, known without a device read
+        if delta is self._known_deltas[0] and self._known_deltas[1] is not None:
+            delta = self._known_deltas[1]  # one delta for every row, known without a device read
         if isinstance(delta, (int, np.integer)):
             return Positions(offset=offset + int(delta))
         delta = delta.reshape(-1) if isinstance(delta, mx.array) else mx.array(np.asarray(delta).reshape(-1))
@@ -383,7 +382,7 @@ class LanguageModel(nn.Module):
         cache: Optional[List[Any]] = None,
         position_ids: Optional[mx.array] = None,
         rope_deltas: Optional[Any] = None,
-        deepstack_visual_embeds: Optional[Any] = None,
+        deepstack_visual_embeds: Optional[mx.array] = None,
         **kwargs,
     ) -> LanguageModelOutput:
         h = self.model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
@@ -415,15 +414,9 @@ class LanguageModel(nn.Module):
             last = position_ids.max(axis=(0, 2)) if position_ids.ndim == 3 else position_ids.max(axis=-1)
             self._rope_deltas = (last + 1 - (offset + L)).reshape(-1, 1)
         deepstack = deepstack_visual_embeds
-        if deepstack is not None:
-            full = deepstack if isinstance(deepstack, mx.array) else deepstack[0]
-            if full.shape[1] != L:
-                start = self._chunk_start("deepstack", full, L, columns)
-                deepstack = (
-                    deepstack[:, start : start + L]
-                    if isinstance(deepstack, mx.array)
-                    else [d[:, start : start + L] for d in deepstack]
-                )
+        if deepstack is not None and deepstack.shape[1] != L:
+            start = self._chunk_start("deepstack", deepstack, L, columns)
+            deepstack = deepstack[:, start : start + L]
         positions = self._positions(B, L, offset, position_ids, rope_deltas, batched)
 
         if batched:
@@ -450,6 +443,11 @@ class LanguageModel(nn.Module):
     @staticmethod
     def sanitize(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         return weights
+
+
+def padding_rows(mask: Any) -> Optional[np.ndarray]:
+    """A 2-D ``[B, L]`` attention mask as numpy (1 = token, 0 = padding), else None."""
+    return np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
 
 
 def get_rope_index(
