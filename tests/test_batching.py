@@ -100,19 +100,30 @@ def left_pad(arrays: List[mx.array], axis: int, width: int) -> mx.array:
     return out
 
 
-def batched_prefill(model, rows: List[Row], cache, names: List[str]) -> mx.array:
-    """Left-padded prefill of all rows at once, as mlx-vlm's BatchGenerator merges prompt kwargs."""
+def merged_prompt(rows: List[Row]):
+    """The rows' prompt inputs left-padded and stacked, as mlx-vlm's BatchGenerator merges them:
+    (embeds [B, W, D], position_ids [3, B, W], deepstack [B, W, K, D])."""
     width = max(r.length for r in rows)
     embeds = mx.concatenate(left_pad([r.embeds for r in rows], 1, width), axis=0)
     positions = mx.concatenate(left_pad([r.positions for r in rows], 2, width), axis=1)
     deepstack = mx.concatenate(left_pad([r.deepstack for r in rows], 1, width), axis=0)
+    return embeds, positions, deepstack
+
+
+def check_prefill(rows: List[Row], logits: mx.array, names: List[str], what: str) -> None:
+    width = logits.shape[1]
+    for b, r in enumerate(rows):
+        diff = np.abs(np.array(logits[b, width - r.length :]) - r.case["prefill_logits"]).max()
+        assert diff < TOL, f"{names[b]}: {what} off by {diff:.3g}"
+
+
+def batched_prefill(model, rows: List[Row], cache, names: List[str]) -> mx.array:
+    """Left-padded prefill of all rows at once."""
+    embeds, positions, deepstack = merged_prompt(rows)
     logits = model.language_model(
         None, inputs_embeds=embeds, cache=cache, position_ids=positions, deepstack_visual_embeds=deepstack
     ).logits
-    for b, r in enumerate(rows):
-        got = np.array(logits[b, width - r.length :])
-        diff = np.abs(got - r.case["prefill_logits"]).max()
-        assert diff < TOL, f"{names[b]}: batched prefill off by {diff:.3g}"
+    check_prefill(rows, logits, names, "batched prefill")
     return logits
 
 
@@ -159,10 +170,7 @@ def test_text_rows_through_token_ids_alone(model, reference, module, names):
     width = max(r.length for r in rows)
     ids = mx.array([[0] * (width - r.length) + r.case["input_ids"][0].tolist() for r in rows])
     cache = batch_cache(model, module, [width - r.length for r in rows])
-    logits = model.language_model(ids, cache=cache).logits
-    for b, r in enumerate(rows):
-        diff = np.abs(np.array(logits[b, width - r.length :]) - r.case["prefill_logits"]).max()
-        assert diff < TOL, f"{names[b]}: prefill off by {diff:.3g}"
+    check_prefill(rows, model.language_model(ids, cache=cache).logits, names, "prefill")
     for _ in range(STEPS):
         decode_step(model, rows, cache, "none", names)
 
@@ -325,9 +333,7 @@ def test_chunked_batched_prefill_matches_the_reference(model, reference, module,
     rows = [Row(model, reference(n)) for n in names]
     width = max(r.length for r in rows)
     cache = batch_cache(model, module, [width - r.length for r in rows])
-    embeds = mx.concatenate(left_pad([r.embeds for r in rows], 1, width), axis=0)
-    positions = mx.concatenate(left_pad([r.positions for r in rows], 2, width), axis=1)
-    deepstack = mx.concatenate(left_pad([r.deepstack for r in rows], 1, width), axis=0)
+    embeds, positions, deepstack = merged_prompt(rows)
     deltas = mx.array([[r.delta] for r in rows])
     pieces = []
     for s in range(0, width, chunk):
@@ -336,10 +342,7 @@ def test_chunked_batched_prefill_matches_the_reference(model, reference, module,
             deepstack_visual_embeds=deepstack[:, s : s + chunk], rope_deltas=deltas,
         ).logits
         pieces.append(out)
-    logits = mx.concatenate(pieces, axis=1)
-    for b, r in enumerate(rows):
-        diff = np.abs(np.array(logits[b, width - r.length :]) - r.case["prefill_logits"]).max()
-        assert diff < TOL, f"{names[b]}: chunked batched prefill off by {diff:.3g}"
+    check_prefill(rows, mx.concatenate(pieces, axis=1), names, "chunked batched prefill")
     for _ in range(4):
         decode_step(model, rows, cache, "rope_deltas", names)
 
