@@ -178,10 +178,6 @@ def _flag_from_env(name: str) -> Tuple[bool, str]:
     )
 
 
-def _force_from_env() -> Tuple[bool, str]:
-    return _flag_from_env(FORCE_ENV)
-
-
 def _import_or_none(name: str) -> Any:
     try:
         return importlib.import_module(name)
@@ -493,7 +489,7 @@ def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = 
             midway undoes what this call did and propagates.
     """
     if force_vendored is None:
-        force, source = _force_from_env()
+        force, source = _flag_from_env(FORCE_ENV)
     else:
         force, source = bool(force_vendored), f"apply_patch(force_vendored={force_vendored})"
     lm = _flag_from_env(MLX_LM_ENV)[0] if mlx_lm is None else bool(mlx_lm)
