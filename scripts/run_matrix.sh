@@ -31,15 +31,6 @@ rows=()      # "run|mlx-vlm|transformers|passed|failed|skipped|seconds|status"
 failed_runs=0
 total_passed=0; total_failed=0; total_skipped=0
 
-summarize() {  # junit xml -> "tests failures errors skipped"
-  "$1" - "$2" <<'EOF'
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-print(*(sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")))
-EOF
-}
-
 for pin in "${pins[@]}"; do
   env="$(env_dir "$pin")"
   if ! bash "$root/scripts/make_envs.sh" "$pin"; then
@@ -65,8 +56,7 @@ for pin in "${pins[@]}"; do
     seconds=$(( $(date +%s) - start ))
     passed=0; failed=0; skipped=0
     if [ -f "$xml" ]; then
-      read -r tests failures errors skips < <(summarize "$py" "$xml")
-      failed=$((failures + errors)); skipped=$skips; passed=$((tests - failed - skipped))
+      read -r passed failed skipped < <("$py" "$root/scripts/junit_counts.py" "$xml")
     fi
     case $rc in
       0) status=ok ;;
