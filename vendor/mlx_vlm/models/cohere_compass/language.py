@@ -3,7 +3,6 @@ interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -188,11 +187,6 @@ def is_batch_cache(c: Any) -> bool:
     return c is not None and isinstance(getattr(c, "offset", None), mx.array) and c.offset.ndim == 1
 
 
-@partial(mx.compile, shapeless=True)
-def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
 class MLP(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -207,7 +201,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def __call__(self, x):
-        return project(self.down_proj, _swiglu(project(self.gate_proj, x), project(self.up_proj, x)))
+        return project(self.down_proj, nn.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class LayerNorm(nn.Module):
