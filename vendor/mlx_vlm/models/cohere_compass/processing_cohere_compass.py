@@ -644,6 +644,67 @@ def load_chat_template(path: Path, tokenizer=None):
     return getattr(tokenizer, "chat_template", None)
 
 
+# ---------------------------------------------------------------- video: refused
+#
+# The published template renders a video part as <|VISION_START|><|VIDEO_PAD|><|VISION_END|>,
+# but this processor has no video preprocessing (frames, timestamps, video grids). Rendering
+# the token and running the model anyway would fail deep in the model or, worse, answer
+# without the video; so every way in refuses it first: a ``videos=`` argument, a video part
+# in apply_chat_template's messages, and any text holding the token (processor call and the
+# tokenizer, which mlx-vlm calls itself for text-only prompts).
+
+VIDEO_TOKEN = "<|VIDEO_PAD|>"
+
+
+class VideoNotSupportedError(ValueError):
+    """Video input reached the cohere_compass processor, which supports images only."""
+
+
+def video_refusal(what: str) -> VideoNotSupportedError:
+    return VideoNotSupportedError(
+        f"cohere_compass (compass-compat): video input is not supported: {what}. "
+        f"The chat template writes {VIDEO_TOKEN} for a video part of a user message "
+        "({'type': 'video'} or a 'video' key). Send the video as still frames instead: one "
+        "image part per frame in the message, with the frames passed as images."
+    )
+
+
+def refuse_video_text(text) -> None:
+    """Raise :class:`VideoNotSupportedError` if ``text`` (a string or a list of them) holds the token."""
+    texts = [text] if isinstance(text, str) else text if isinstance(text, (list, tuple)) else ()
+    if any(isinstance(t, str) and VIDEO_TOKEN in t for t in texts):
+        raise video_refusal(f"the prompt contains {VIDEO_TOKEN}, the token of a video part in a message")
+
+
+def _is_image_part(part: dict) -> bool:  # the template's rule for user messages
+    return part.get("type") == "image" or "image" in part or "image_url" in part
+
+
+def _is_video_part(part: dict) -> bool:
+    return part.get("type") == "video" or "video" in part
+
+
+def _user_parts(conversation):
+    """(message index, part index, part) of the dict parts of user messages' list content."""
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") != "user" or not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict):
+                yield i, j, part
+
+
+def _image_source(part: dict):
+    for key in ("image", "image_url", "path", "url"):
+        value = part.get(key)
+        if isinstance(value, dict):  # OpenAI style: {"image_url": {"url": ...}}
+            value = value.get("url")
+        if value is not None:
+            return value
+    return None
+
+
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -670,7 +731,9 @@ def without_double_bos(tokenizer):
     straight through ``processor.tokenizer``, while the chat template already wrote
     ``{{ bos_token }}``; a Cohere-style BOS post-processor would then give two BOS tokens.
     The instance's class is swapped for a subclass (same state, same name) so every
-    caller of this tokenizer gets the fix, not only this processor.
+    caller of this tokenizer gets the fix, not only this processor. The subclass also
+    refuses text holding the video token (:func:`refuse_video_text`): mlx-vlm tokenizes
+    text-only prompts itself, so this processor's ``__call__`` never sees them.
     """
     base = type(tokenizer)
     if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
@@ -693,10 +756,12 @@ def without_double_bos(tokenizer):
         return text
 
     def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
+        refuse_video_text(text)
         return base.__call__(self, strip(self, text, add_special_tokens), *args,
                              add_special_tokens=add_special_tokens, **kwargs)
 
     def encode(self, text, *args, add_special_tokens=True, **kwargs):
+        refuse_video_text(text)
         return base.encode(self, strip(self, text, add_special_tokens), *args,
                            add_special_tokens=add_special_tokens, **kwargs)
 
@@ -706,6 +771,40 @@ def without_double_bos(tokenizer):
     })
     tokenizer.__class__ = guarded
     return tokenizer
+
+
+_GUARDED_DETOKENIZERS: Dict[type, type] = {}
+
+
+def skipping_padding_ids(detokenizer, vocab_size: int):
+    """``detokenizer`` with an ``add_token`` that ignores ids >= ``vocab_size``, as
+    transformers' ``decode`` does; everything else (reset, finalize, text, last_segment,
+    tokens, tokenmap, copy(), isinstance checks of mlx-vlm's server) is the object's own.
+
+    The instance's class is swapped for a subclass, as in :func:`without_double_bos`, so
+    ``copy()`` (mlx-vlm >= 0.6 servers copy it per request) keeps the guard.
+    """
+    if detokenizer is None or getattr(detokenizer, "_compass_skips_padding_ids", False):
+        return detokenizer
+    base = type(detokenizer)
+    guarded = _GUARDED_DETOKENIZERS.get(base)
+    if guarded is None:
+        def add_token(self, token, *args, **kwargs):
+            if int(token) >= self._compass_vocab_size:
+                return None
+            return base.add_token(self, token, *args, **kwargs)
+
+        guarded = _GUARDED_DETOKENIZERS[base] = type(base.__name__, (base,), {
+            "add_token": add_token, "_compass_skips_padding_ids": True, "_compass_original_class": base,
+            "__module__": base.__module__, "__qualname__": base.__qualname__,
+        })
+    try:
+        detokenizer._compass_vocab_size = int(vocab_size)
+        detokenizer.__class__ = guarded
+    except (TypeError, AttributeError) as err:  # a C type or __slots__: cannot carry the guard
+        logger.warning("cohere_compass: cannot guard %s against ids past the tokenizer (%s); "
+                       "sampling such an id may fail in it", base.__name__, err)
+    return detokenizer
 
 
 class CohereCompassProcessor:
@@ -800,7 +899,8 @@ class CohereCompassProcessor:
         **kwargs,
     ) -> BatchFeature:
         if videos is not None:
-            raise ValueError("video input is not supported by this cohere_compass processor")
+            raise video_refusal("a `videos=` argument was passed")
+        refuse_video_text(text)
         if text is None and images is None:
             raise ValueError("CohereCompassProcessor needs text, images or both")
         image_kwargs = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
@@ -878,27 +978,42 @@ class CohereCompassProcessor:
 
     def apply_chat_template(self, conversation, chat_template=None, tokenize: bool = False, **kwargs):
         """Render with this processor's template through the tokenizer. With ``tokenize=True``
-        the text goes through this processor, with the images found in the messages."""
+        the text goes through this processor, with the images found in the messages.
+        A video part (or the video token in the text) raises :class:`VideoNotSupportedError`."""
         template = chat_template if chat_template is not None else self.chat_template
+        batch = bool(conversation) and not isinstance(conversation[0], dict)
+        for i, j, part in (p for c in (conversation if batch else [conversation]) for p in _user_parts(c)):
+            if not _is_image_part(part) and _is_video_part(part):
+                raise video_refusal(f"message {i} has a video part (content[{j}])")
         if not tokenize:
-            return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-        if conversation and not isinstance(conversation[0], dict):
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+            refuse_video_text(text)  # e.g. the token typed into a text part
+            return text
+        if batch:
             raise ValueError("tokenize=True takes one conversation (a list of messages), not a batch")
         return_dict = kwargs.pop("return_dict", False)
         return_tensors = kwargs.pop("return_tensors", None)
         text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-        parts = [
-            part
-            for message in conversation
-            if isinstance(message.get("content"), list)
-            for part in message["content"]
-            if isinstance(part, dict) and part.get("type") == "image"
-        ]
-        images = [next((p[k] for k in ("image", "path", "url") if p.get(k) is not None), None) for p in parts]
+        # The parts the template renders as an image: user messages only, as it decides.
+        images = [_image_source(part) for _, _, part in _user_parts(conversation) if _is_image_part(part)]
         if None in images:
             raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
         out = self(text=text, images=images or None, add_special_tokens=False, return_tensors=return_tensors)
         return out if return_dict else out["input_ids"]
+
+    # compass-compat: ids past the tokenizer (the published checkpoint has 255035 tokenizer
+    # entries but 262144 embedding rows) can be sampled; transformers decodes them to "",
+    # while mlx-vlm's BPEStreamingDetokenizer raises IndexError. mlx-vlm's load_processor
+    # assigns ``processor.detokenizer``: the setter makes that object skip such ids.
+    @property
+    def detokenizer(self):
+        if "_detokenizer" not in self.__dict__:  # unset, as before the property existed
+            raise AttributeError("CohereCompassProcessor has no detokenizer (mlx-vlm's load_processor sets one)")
+        return self.__dict__["_detokenizer"]
+
+    @detokenizer.setter
+    def detokenizer(self, detokenizer):
+        self.__dict__["_detokenizer"] = skipping_padding_ids(detokenizer, len(self.tokenizer))
 
     def batch_decode(self, *args, **kwargs):
         return self.tokenizer.batch_decode(*args, **kwargs)
@@ -932,6 +1047,6 @@ def _compass_compat_checks(path: Path) -> None:
 
 
 __all__ = [
-    "CohereCompassImageProcessor", "CohereCompassProcessor", "PixelBounds", "read_pixel_bounds",
-    "resolve_pixel_bounds", "smart_resize",
+    "CohereCompassImageProcessor", "CohereCompassProcessor", "PixelBounds", "VideoNotSupportedError",
+    "read_pixel_bounds", "resolve_pixel_bounds", "smart_resize",
 ]
