@@ -3,8 +3,9 @@
 Subcommands:
 
 - ``generate``: mlx-vlm's generate flags (``--model --image --prompt --max-tokens
-  --temperature ...``); without ``--model`` it builds (once) and uses a tiny default
-  checkpoint with RANDOM weights, without ``--image`` it uses the bundled demo picture.
+  --temperature --top-p --top-k --seed ...``); without ``--model`` it builds (once) and uses a
+  tiny default checkpoint with RANDOM weights, without ``--image`` it uses the bundled demo
+  picture. Sampling flags left out are filled in as the installed mlx-vlm's generate does.
   ``--draw-boxes OUT.png`` draws the answer's ``[x1, y1, x2, y2]`` boxes on a copy of the image.
 - ``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
   inputs answered by a 400 (``compass_compat.server_guard``).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import re
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import __version__, implementation_info
 from .startup import ENV as AUTOPATCH_ENV
@@ -193,12 +195,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--no-image and --image exclude each other")
     images = [] if args.no_image else check_images(args.image or [str(DEMO_IMAGE)])
     box_output = check_box_flags(args, images)
+    sampling = given_sampling(args)
 
     import mlx.core as mx
     from mlx_vlm import load, stream_generate
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    mx.random.seed(args.seed)
     try:
         model, processor = load(model_ref)
     except Exception as err:  # re-raised as a one-line CliError; the cause stays chained
@@ -217,14 +219,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")
         print(f"Images: {images}")
         print(f"Prompt: {prompt}")
+        print(f"Sampling: {describe_sampling(sampling_settings(model.config, sampling), args.seed)}")
         print("=" * 10, flush=True)
     elif is_default:
         log("note: " + RANDOM_WEIGHTS_NOTE)
 
     last = None
     pieces = []
+    # Seeded here, not before load: building the model draws from the PRNG (weight init).
+    mx.random.seed(args.seed)
+    # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
     for result in stream_generate(
-        model, processor, formatted, image=images or None, max_tokens=args.max_tokens, temperature=args.temperature
+        model, processor, formatted, image=images or None, max_tokens=args.max_tokens, **sampling
     ):
         print(result.text, end="", flush=True)
         pieces.append(result.text)
@@ -244,6 +250,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
             for line in lines:
                 log(line)
     return 0
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
+
+
+def _sampling_resolver():
+    """mlx-vlm's own resolution of unset sampling options, where it has one (0.7.10; not 0.6.12)."""
+    try:
+        from mlx_vlm.generate.common import resolve_sampling_defaults
+    except ImportError:
+        return None
+    return resolve_sampling_defaults
+
+
+def _generate_step_defaults() -> Dict[str, float]:
+    """The sampling keywords this mlx-vlm's generate_step takes, with their defaults."""
+    generate = importlib.import_module("mlx_vlm.generate")  # a module to 0.4.x, a package from 0.5
+    params = inspect.signature(generate.generate_step).parameters
+    return {name: params[name].default for name in SAMPLING_FLAGS if name in params}
+
+
+def given_sampling(args: argparse.Namespace) -> Dict[str, float]:
+    """The sampling flags the user passed (as stream_generate keywords); refused where mlx-vlm lacks one."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if given and _sampling_resolver() is None:
+        # mlx-vlm 0.3.x: no top_k, and generate_step's **kwargs would swallow it silently.
+        missing = [name for name in given if name not in _generate_step_defaults()]
+        if missing:
+            version = implementation_info().mlx_vlm_version
+            flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+            raise CliError(f"{flags}: mlx-vlm {version}'s generate has no {', '.join(missing)} sampling option")
+    return given
+
+
+def sampling_settings(config, given: Dict[str, float]) -> Dict[str, float]:
+    """What stream_generate samples with on this mlx-vlm: ``given``, the rest as mlx-vlm fills them in.
+
+    mlx-vlm 0.7.10 takes unset values from the checkpoint's generation config (load puts
+    generation_config.json's keys on the model config), else 0.0 / 1.0 / 0, greedy when
+    do_sample is false. mlx-vlm <= 0.6.12 uses generate_step's defaults; 0.6.x load keeps the
+    file's keys on the config too, but only its server reads them.
+    """
+    resolve = _sampling_resolver()
+    if resolve is not None:
+        return dict(zip(SAMPLING_FLAGS, resolve(config, **{name: given.get(name) for name in SAMPLING_FLAGS})))
+    return {name: given.get(name, default) for name, default in _generate_step_defaults().items()}
+
+
+def describe_sampling(settings: Dict[str, float], seed: int) -> str:
+    values = " ".join(f"{name}={value:g}" for name, value in settings.items())
+    version = implementation_info().mlx_vlm_version
+    if _sampling_resolver() is not None:
+        source = f"unset: the checkpoint's generation_config.json, else mlx-vlm {version}'s defaults"
+    else:
+        source = f"unset: mlx-vlm {version}'s generate defaults, which ignore generation_config.json's sampling keys"
+    return f"{values} seed={seed} ({source})"
 
 
 def check_box_flags(args: argparse.Namespace, images: Sequence[str]) -> Optional[Path]:
@@ -487,6 +549,30 @@ def _server_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Measured per pin (tests/test_generation_config.py); releases between 0.6.12 and 0.7.10 unchecked.
+_UNSET_SAMPLING = (
+    "as the installed mlx-vlm's generate: mlx-vlm 0.7.10 takes the checkpoint's generation_config.json "
+    "(greedy if it says do_sample false), else temperature 0, top-p 1, top-k 0; mlx-vlm 0.6.12 and older "
+    "use those fixed defaults (0.3.9 has no top-k); --verbose prints the values used"
+)
+
+
+def _bounded(kind, low, high=None):
+    """An argparse type: a ``kind`` within [low, high] (NaN refused)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not (low <= value and (high is None or value <= high)):
+            bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -516,8 +602,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", nargs="+", help=f"the user message (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--system", help="system message")
     gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: %(default)s)")
+    gen.add_argument(
+        "--temperature", type=_bounded(float, 0.0), metavar="T",
+        help=f"sampling temperature, 0 is greedy; default: {_UNSET_SAMPLING}",
+    )
+    gen.add_argument("--top-p", type=_bounded(float, 0.0, 1.0), metavar="P", help="nucleus sampling, 1 disables it; default: as --temperature")
+    gen.add_argument("--top-k", type=_bounded(int, 0), metavar="K", help="sample from the K most likely tokens, 0 disables it; default: as --temperature")
+    gen.add_argument(
+        "--seed", type=int, default=0,
+        help="PRNG seed for sampling, set just before generating, so a run repeats (default: %(default)s)",
+    )
     gen.add_argument(
         "--draw-boxes", metavar="OUT.png",
         help=(

@@ -56,6 +56,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     assert "RANDOM weights" in first.stdout
     assert str(cli.DEMO_IMAGE) in first.stdout
     assert "Generation: 6 tokens" in first.stdout
+    assert "Sampling: " in first.stdout and " seed=0 " in first.stdout  # what the unset flags became
     text = first.stdout.split("=" * 10 + "\n")[2].rstrip("\n")
     assert text.strip(), first.stdout
     # A real checkpoint folder: CohereLabs layout, real special tokens and chat template.
@@ -68,7 +69,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     code, out, err = main_in_process(capsys, "generate", "--max-tokens", "6", "--no-verbose")
     assert code == 0 and "building" not in err
     assert "RANDOM weights" in err  # --no-verbose: only the text on stdout, the note on stderr
-    assert out == text + "\n"
+    assert out == text + "\n"  # seeded (--seed 0) even where the checkpoint's defaults sample
 
 
 def test_a_damaged_default_checkpoint_is_rebuilt(tmp_path, monkeypatch, capsys):
@@ -156,7 +157,11 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
     "argv, words",
     [
         (["--help"], ["generate", "server", "convert", "run", "info"]),
-        (["generate", "--help"], ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "--draw-boxes", "--box-image-index", "RANDOM"]),
+        (
+            ["generate", "--help"],
+            ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+             "generation_config.json", "--draw-boxes", "--box-image-index", "RANDOM"],
+        ),
         (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
         (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
         (["run", "--help"], ["COMPASS_COMPAT_AUTOPATCH", "mlx_vlm.generate"]),

@@ -1,0 +1,194 @@
+"""generation_config.json: the CLI samples and stops as the installed mlx-vlm's own generate does.
+
+Every expectation is measured on this pin's mlx-vlm: ``mlx_vlm.load`` + ``stream_generate`` on
+the same checkpoint, seeded the same way, with the sampling options left unset or passed; never
+taken from ``compass_compat.cli``. Runs on whichever cohere_compass is live (upstream's on
+0.7.10 unless COMPASS_COMPAT_FORCE_VENDORED=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import List, NamedTuple, Optional
+
+import pytest
+
+from compass_compat import cli
+from compass_compat.tiny import build_tiny_checkpoint, tiny_generation_config
+
+PROMPT = "Describe this picture."
+MAX_TOKENS = 12
+# The sampling keys of CohereLabs/North-Micro-Vision-Instruct's generation_config.json.
+PUBLISHED = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "do_sample")
+ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+# generation_config.json contents (None: no file); ids from the tiny tokenizer.
+GENERATION_CONFIGS = {
+    "published": lambda ids: {**ids, **PUBLISHED},
+    "do_sample_false": lambda ids: {**ids, **PUBLISHED, "do_sample": False},
+    "ids_only": lambda ids: dict(ids),
+    "absent": lambda ids: None,
+}
+
+
+class Run(NamedTuple):
+    text: str
+    ids: List[int]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("gencfg_base"))
+
+
+def token_ids() -> dict:
+    ids = tiny_generation_config()
+    return {key: ids[key] for key in ID_KEYS}
+
+
+def with_generation_config(base: Path, where: Path, content: Optional[dict]) -> Path:
+    """A copy of ``base`` whose generation_config.json is ``content`` (None: the file removed)."""
+    path = where / "ckpt"
+    shutil.copytree(base, path)
+    target = path / "generation_config.json"
+    if content is None:
+        target.unlink(missing_ok=True)
+    else:
+        target.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(path: str):
+    from mlx_vlm import load
+
+    return load(path)
+
+
+def mlx_vlm_run(path: Path, seed: int = 0, **sampling) -> Run:
+    """mlx-vlm's own generate on ``path``: the CLI's prompt, text only, seeded right before generating."""
+    import mlx.core as mx
+    from mlx_vlm import stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = loaded(str(path))
+    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=0)
+    mx.random.seed(seed)
+    pieces, seen = [], {}
+    for result in stream_generate(model, processor, prompt, max_tokens=MAX_TOKENS, **sampling):
+        pieces.append(result.text)
+        seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last token
+    return Run("".join(pieces), [seen[k] for k in sorted(seen)])
+
+
+def run_cli(capsys, path: Path, *flags: str, verbose: bool = False):
+    """(exit code, stdout, stderr) of the CLI on ``path`` with the same prompt, text only."""
+    argv = ["generate", "--model", str(path), "--no-image", "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), *flags]
+    try:
+        code = cli.main(argv + ([] if verbose else ["--no-verbose"]))
+    except SystemExit as exc:  # argparse rejects a flag
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def cli_text(capsys, path: Path, *flags: str) -> str:
+    code, out, err = run_cli(capsys, path, *flags)
+    assert code == 0, err
+    assert out.endswith("\n")
+    return out[:-1]
+
+
+@pytest.fixture(scope="module")
+def published(base, tmp_path_factory) -> Path:
+    return with_generation_config(base, tmp_path_factory.mktemp("gencfg_published"), GENERATION_CONFIGS["published"](token_ids()))
+
+
+def test_the_published_sampling_defaults_change_the_text(published):
+    # Guards the tests below: on this checkpoint, sampling with the file's values is not greedy.
+    greedy = mlx_vlm_run(published, temperature=0.0)
+    sampled = mlx_vlm_run(published, temperature=0.7, top_p=0.8)
+    assert len(greedy.ids) == MAX_TOKENS and greedy.ids != sampled.ids
+
+
+@pytest.mark.parametrize("name", list(GENERATION_CONFIGS))
+def test_unset_sampling_flags_do_what_mlx_vlm_generate_does(capsys, base, tmp_path, name):
+    path = with_generation_config(base, tmp_path, GENERATION_CONFIGS[name](token_ids()))
+    assert cli_text(capsys, path) == mlx_vlm_run(path).text
+
+
+def _printed_sampling(out: str) -> dict:
+    line = next(line for line in out.splitlines() if line.startswith("Sampling: "))
+    values = re.match(r"Sampling: (.*?) seed=(\d+) \(unset: .*generation_config\.json.*\)$", line)
+    assert values, line
+    pairs = dict(pair.split("=") for pair in values.group(1).split())
+    assert set(pairs) <= {"temperature", "top_p", "top_k"} and {"temperature", "top_p"} <= set(pairs), line
+    return {key: int(value) if key == "top_k" else float(value) for key, value in pairs.items()}
+
+
+@pytest.mark.parametrize("name", list(GENERATION_CONFIGS))
+def test_verbose_prints_the_settings_mlx_vlm_samples_with(capsys, base, tmp_path, name):
+    path = with_generation_config(base, tmp_path, GENERATION_CONFIGS[name](token_ids()))
+    code, out, err = run_cli(capsys, path, verbose=True)
+    assert code == 0, err
+    printed = _printed_sampling(out)
+    # The printed values, passed explicitly, reproduce what mlx-vlm does with them unset.
+    assert mlx_vlm_run(path, **printed).ids == mlx_vlm_run(path).ids, printed
+
+
+def test_explicit_flags_override_the_file(capsys, published):
+    assert cli_text(capsys, published, "--temperature", "0") == mlx_vlm_run(published, temperature=0.0).text
+    flags = ("--temperature", "1.0", "--top-p", "0.9", "--seed", "7")
+    want = mlx_vlm_run(published, seed=7, temperature=1.0, top_p=0.9)
+    assert want.ids != mlx_vlm_run(published, temperature=0.0).ids
+    assert cli_text(capsys, published, *flags) == want.text
+    # Seeded just before generating: the same flags give the same text again.
+    assert cli_text(capsys, published, *flags) == want.text
+
+
+def test_top_k_is_passed_where_mlx_vlm_honours_it_and_refused_where_not(capsys, published):
+    greedy = mlx_vlm_run(published, temperature=0.0)
+    honoured = mlx_vlm_run(published, temperature=1.0, top_p=1.0, top_k=1).ids == greedy.ids
+    code, out, err = run_cli(capsys, published, "--temperature", "1", "--top-p", "1", "--top-k", "1")
+    if honoured:
+        assert code == 0 and out == greedy.text + "\n", err
+    else:  # mlx-vlm 0.3.x: generate_step swallows top_k unused
+        assert code == 2 and "--top-k" in err and "top_k" in err and out == "", err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-0.5"], "--temperature: must be at least 0"),
+    (["--temperature", "nan"], "--temperature: must be at least 0"),
+    (["--top-p", "1.5"], "--top-p: must be between 0 and 1"),
+    (["--top-k", "-1"], "--top-k: must be at least 0"),
+    (["--top-k", "2.5"], "--top-k: not an integer"),
+])
+def test_bad_sampling_values_are_refused_before_loading(capsys, published, argv, message):
+    code, out, err = run_cli(capsys, published, *argv)
+    assert code == 2 and message in err and out == ""
+
+
+def test_generation_stops_on_the_generation_config_eos(capsys, base, tmp_path):
+    ids = token_ids()
+    greedy = mlx_vlm_run(base, temperature=0.0)
+    assert ids["eos_token_id"] not in greedy.ids  # the tiny weights keep end-of-turn from winning
+    # A stop id the greedy run reaches at step k (first occurrence), named only in generation_config.json.
+    k = next(i for i in range(2, len(greedy.ids)) if greedy.ids[i] not in greedy.ids[:i])
+    stop = greedy.ids[k]
+    path = with_generation_config(base, tmp_path, {**ids, "eos_token_id": stop})
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == ids["eos_token_id"]
+
+    model, _ = loaded(str(path))
+    eos = model.config.eos_token_id
+    reads_the_file = stop in (eos if isinstance(eos, list) else [eos])  # as mlx-vlm's load decides
+    want = mlx_vlm_run(path, temperature=0.0)
+    if reads_the_file:
+        assert want.ids[:k] == greedy.ids[:k] and len(want.ids) == k + 1 and want.ids[k] == stop
+    else:  # this pin's load ignores generation_config.json: config.json's eos only
+        assert want.ids == greedy.ids
+    assert cli_text(capsys, path, "--temperature", "0") == want.text
