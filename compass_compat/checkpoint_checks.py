@@ -17,8 +17,11 @@ headers, never tensor data, never a pickle, never checkpoint code) and raises
   ``resolve_pixel_bounds``) are positive with min <= max;
 - weights: safetensors only (pickle files are ignored, or refused when they are all there
   is), each header well formed and not truncated, every tensor the model needs present
-  with the shape ``config.json`` implies and nothing else, and a ``quantization`` block
-  that agrees with the stored quantized tensors.
+  with the shape ``config.json`` implies and nothing else (the head as
+  ``ModelConfig.head_tied`` decides from the tie keys and whether ``lm_head`` is stored),
+  and a ``quantization`` block that agrees with the stored quantized tensors, in a mode
+  this mlx-vlm and mlx can load (else the error names the mode, both versions and what
+  to use instead).
 
 Where it runs: hosts can call it before ``mlx_vlm.load``; the vendored processor's
 ``from_pretrained`` also calls it (with ``require_weights=False``) whenever compass-compat
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -456,12 +460,13 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
 # ------------------------------------------------------------------ tensors
 
 
-def expected_tensors(model_config) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """``{mlx key: (shape, kind)}`` of every parameter the model has for ``model_config``.
 
     kind: ``"linear"`` and ``"embedding"`` (quantizable), ``"conv"`` (the patch embedding,
     MLX layout), ``"plain"``. Derived from the config by arithmetic, independently of the
-    model code (a test checks the two agree).
+    model code (a test checks the two agree). ``tied``: the head decision for the stored
+    weights (``model_config.head_tied``); None means the head the config alone implies.
     """
     t, v = model_config.text_config, model_config.vision_config
     out: Dict[str, Tuple[Tuple[int, ...], str]] = {}
@@ -484,7 +489,7 @@ def expected_tensors(model_config) -> Dict[str, Tuple[Tuple[int, ...], str]]:
                                   ("down_proj", d, t.intermediate_size)):
             linear(p + "mlp." + name, n_out, n_in, False)
     out[lm + "norm.weight"] = ((d,), "plain")
-    if not model_config.tie_word_embeddings:
+    if not (model_config.tie_word_embeddings if tied is None else tied):
         linear("language_model.lm_head", t.vocab_size, d, False)
 
     vd, vi = v.hidden_size, v.intermediate_size
@@ -538,7 +543,7 @@ def _defaulted_hint(config: Dict[str, Any]) -> str:
 
 
 def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) -> None:
-    tied = bool(model_config.tie_word_embeddings)
+    tied = _check_head(folder, model_config, headers)
     stored: Dict[str, Dict[str, Any]] = {}
     original: Dict[str, str] = {}
     for entries in headers.values():
@@ -547,7 +552,7 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
             if mlx is not None:
                 stored[mlx] = info
                 original[mlx] = key
-    expected = expected_tensors(model_config)
+    expected = expected_tensors(model_config, tied)
     hint = _defaulted_hint(config)
 
     def where(mlx: str) -> str:
@@ -584,6 +589,125 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
                 f"{folder}: {where(key)} has shape {list(got)} but config.json implies {list(shape)}; "
                 "config.json and the weights disagree: use the config.json published with these weights."
                 + hint, folder=folder, file=stored[key]["file"])
+
+
+def _check_head(folder: Path, model_config, headers) -> bool:
+    """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
+    counts as used: whether it equals the embedding needs the data), or refuse."""
+    lm_head_stored = any((_mlx_key(key, False) or "").startswith("language_model.lm_head.")
+                         for entries in headers.values() for key in entries)
+    tied = model_config.head_tied(lm_head_stored)
+    top, text = model_config.declared_tie_word_embeddings, model_config.text_config.tie_word_embeddings
+    keys = f"tie_word_embeddings is {_key_state(top)} at the top level and {_key_state(text)} in text_config"
+    if tied is None:
+        raise CheckpointError(
+            f"{folder}: no lm_head.weight is stored and config.json does not tie the head to the token "
+            f"embedding ({keys}), so the model has no output head (transformers would run a randomly "
+            "initialised one). If the head is the embedding, as in the published checkpoint, set "
+            "\"tie_word_embeddings\": true in config.json; otherwise the lm_head weights are missing: "
+            "re-download the checkpoint", folder=folder, file="config.json")
+    if tied != model_config.tie_word_embeddings and _loader_skips_sanitize(folder, headers):
+        # The loader would build the head from config.json alone and then fail on the weights.
+        fix = ("set the top-level \"tie_word_embeddings\": false in config.json to use the stored lm_head "
+               "(or delete lm_head from the weights if it is a copy of the embedding)") if lm_head_stored else (
+               "set the top-level \"tie_word_embeddings\": true in config.json")
+        raise CheckpointError(
+            f"{folder}: config.json builds the head {'tied' if model_config.tie_word_embeddings else 'untied'} "
+            f"({keys}) but the weights {'store' if lm_head_stored else 'do not store'} lm_head; mlx-vlm "
+            f"{_dist_version('mlx-vlm')} loads MLX-format weight files without the model's sanitize, "
+            f"which settles that: {fix}", folder=folder, file="config.json")
+    return tied
+
+
+def _key_state(value: Optional[bool]) -> str:
+    return "absent" if value is None else json.dumps(bool(value))
+
+
+def _loader_skips_sanitize(folder: Path, headers) -> bool:
+    """Whether this pin's load_model leaves MLX-format files unsanitized and some file is one.
+
+    mlx-vlm 0.4.4 and 0.6.3 skip the model's sanitize when the first weight file's metadata
+    says ``format: mlx`` (0.3.9, 0.6.12, 0.7.10 always call it): read from the installed
+    loader's source, since the releases in between were not measured.
+    """
+    spec = importlib.util.find_spec("mlx_vlm")
+    source = Path(spec.origin).parent / "utils.py" if spec and spec.origin else None
+    try:
+        skips = source is not None and "if not is_mlx_format:" in source.read_text(encoding="utf-8")
+    except OSError:
+        skips = False
+    return skips and any(_metadata(folder, name).get("format") == "mlx" for name in headers)
+
+
+def _metadata(folder: Path, name: str) -> Dict[str, Any]:
+    with open(folder / name, "rb") as f:  # the header was checked by _read_header
+        (length,) = struct.unpack("<Q", f.read(8))
+        meta = json.loads(f.read(length)).get("__metadata__")
+    return meta if isinstance(meta, dict) else {}
+
+
+# Quantization modes: the (group_size, bits) each needs, and the oldest mlx-vlm / mlx measured
+# to load it (tests/test_quant_modes.py). mlx-vlm 0.3.9's load_model calls nn.quantize
+# without mode (0.4.4 passes quantization["mode"]); mlx 0.30.0's CPU quantized_matmul gives
+# wrong results for mxfp8 and nvfp4 (0.31.2 matches mx.dequantize). Releases in between
+# were not measured, so they are refused too.
+QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
+MODE_MIN_MLX_VLM = (0, 4, 4)
+MODE_MIN_MLX = {"mxfp4": (0, 30, 0), "mxfp8": (0, 31, 2), "nvfp4": (0, 31, 2)}
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> None:
+    """Refuse a quantization mode this pin cannot load, before mlx-vlm's loader runs."""
+    if mode == "affine":
+        return
+    mlx_vlm, mlx = _dist_version("mlx-vlm"), _dist_version("mlx")
+    pin = f"mlx-vlm {mlx_vlm} with mlx {mlx}"
+    affine = ("or use an affine conversion of the model (mlx_vlm.convert -q --q-bits 4 or 8, whose default "
+              "mode is affine)")
+    if mode not in QUANT_MODES:
+        raise CheckpointError(
+            f"{folder}: config.json's quantization mode {mode!r} (for {module}) is not one compass-compat "
+            f"knows ({', '.join(['affine', *QUANT_MODES])}); {pin} is not known to load it: "
+            f"re-convert with one of those modes, {affine}", folder=folder, file="config.json")
+    need_group, need_bits = QUANT_MODES[mode]
+    if (group, bits) != (need_group, need_bits):
+        raise CheckpointError(
+            f"{folder}: config.json's quantization mode {mode!r} needs group_size {need_group} and bits "
+            f"{need_bits}, but {module} has group_size {group} and bits {bits}; restore the config.json "
+            "published with these weights", folder=folder, file="config.json")
+    why = []
+    if _version_tuple(mlx_vlm) < MODE_MIN_MLX_VLM:
+        why.append(f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode (as affine), so the "
+                   f"{mode} weights do not fit it")
+    if _version_tuple(mlx) < MODE_MIN_MLX[mode]:
+        why.append(f"mlx {mlx} has no {mode} kernels" if _version_tuple(mlx) < (0, 30)
+                   else f"mlx {mlx}'s CPU kernels compute wrong {mode} results")
+    if why:
+        need = [f"mlx-vlm >= {'.'.join(map(str, MODE_MIN_MLX_VLM))}",
+                f"mlx >= {'.'.join(map(str, MODE_MIN_MLX[mode]))}"]
+        raise CheckpointError(
+            f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: "
+            + "; ".join(why) + f". Load it with {' and '.join(need)}, {affine}",
+            folder=folder, file="config.json")
 
 
 def _check_quantization(folder: Path, config, expected, stored, quantized, where) -> None:
@@ -625,6 +749,12 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
                 f"(weight {list(stored[weight]['shape'])}, scales {list(stored[module + '.scales']['shape'])}). "
                 f"Set quantization to {{\"group_size\": {group}, \"bits\": {bits}}} or restore the "
                 "config.json published with these weights", folder=folder, file="config.json")
+        _check_mode(folder, module, mode, want_bits, want_group)
+        if mode != "affine" and module + ".biases" in stored:
+            raise CheckpointError(
+                f"{folder}: {module} is quantized in mode {mode!r}, which has no biases, but "
+                f"{where(module + '.biases')} is stored: these are affine weights; set the mode to \"affine\" "
+                "or restore the config.json published with them", folder=folder, file="config.json")
         if mode == "affine" and stored.get(module + ".biases", {}).get("shape") != stored[module + ".scales"]["shape"]:
             raise CheckpointError(
                 f"{folder}: {module} is quantized in affine mode but its .biases tensor is missing or shaped "

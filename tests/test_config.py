@@ -73,11 +73,46 @@ def test_unknown_keys_are_ignored():
     assert c.vision_config.model_type == "cohere_compass_vision"  # very old checkpoints: accepted
 
 
-def test_tie_decision_is_the_top_level_key():
-    tied = cfg.ModelConfig.from_dict({"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}})
-    untied = cfg.ModelConfig.from_dict({"text_config": {"tie_word_embeddings": True}})
-    assert tied.tie_word_embeddings is True
-    assert untied.tie_word_embeddings is False  # the reference's top-level default
+def tie_config(top, text):
+    """A ModelConfig with the top-level / text_config tie_word_embeddings keys (None: absent)."""
+    params = {"text_config": {} if text is None else {"tie_word_embeddings": text}}
+    if top is not None:
+        params["tie_word_embeddings"] = top
+    return cfg.ModelConfig.from_dict(params)
+
+
+# (top, text, lm_head stored) -> the head transformers 5.24 runs (measured on the tiny
+# checkpoint, tests/test_tie_head.py re-measures it live): "embedding", "stored", or "random"
+# (no lm_head stored and not tied: newly initialised). Its text_config key is never read.
+REFERENCE_HEAD = {
+    (top, text, stored): ("stored" if stored else "embedding" if top else "random")
+    for top in (None, True, False) for text in (None, True, False) for stored in (False, True)
+}
+
+
+@pytest.mark.parametrize("top, text, stored", sorted(REFERENCE_HEAD, key=str))
+def test_tie_follows_the_reference_else_the_text_config_key(top, text, stored):
+    got = tie_config(top, text).head_tied(stored)
+    reference = REFERENCE_HEAD[top, text, stored]
+    if reference == "random":  # the reference would run a random head: text_config decides
+        assert got is (True if text else None)
+    else:
+        assert got is (reference == "embedding")
+
+
+def test_a_stored_head_equal_to_the_embedding_is_tied_when_the_top_level_key_says_so():
+    # The reference ties a stored lm_head equal to the embedding only under a true top-level key.
+    assert tie_config(True, None).head_tied(True, same_as_embedding=True) is True
+    assert tie_config(None, True).head_tied(True, same_as_embedding=True) is False
+
+
+def test_model_is_built_from_the_key_the_config_writer_meant():
+    # Before the weights are seen: the top-level key, else text_config's (published: both true).
+    assert tie_config(True, False).tie_word_embeddings is True
+    assert tie_config(False, True).tie_word_embeddings is False
+    assert tie_config(None, True).tie_word_embeddings is True
+    assert tie_config(None, None).tie_word_embeddings is False
+    assert tie_config(None, True).declared_tie_word_embeddings is None
 
 
 @pytest.mark.parametrize(

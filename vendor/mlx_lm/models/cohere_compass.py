@@ -43,7 +43,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        # The head is tied per the top-level key, as the vendored mlx-vlm model reads it.
+        # Head built as the config says; sanitize settles it against the stored weights.
         self.language_model = _language.LanguageModel(args.text_config, tie_word_embeddings=args.tie_word_embeddings)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None):
@@ -63,10 +63,11 @@ class Model(nn.Module):
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Both layouts onto ``language_model.*`` as the vendored mlx-vlm model maps them
-        (``weight_key``), the vision tower dropped (idempotent)."""
+        (``settle_head``, ``weight_key``), the vision tower dropped (idempotent)."""
+        tied = _model.settle_head(self.language_model, self.args, weights)
         out = {}
         for key, value in weights.items():
-            key = _model.weight_key(key, self.args.tie_word_embeddings)
+            key = _model.weight_key(key, tied)
             if key is not None and not key.startswith("vision_tower."):
                 out[key] = value
         return out

@@ -260,8 +260,11 @@ class Model(nn.Module):
         )
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        """Map both published layouts onto this module tree (idempotent); see :func:`weight_key`."""
-        tied = self.config.tie_word_embeddings
+        """Map both published layouts onto this module tree (idempotent); see :func:`weight_key`.
+
+        Ties or unties the head first, as :func:`settle_head` decides from what is stored.
+        """
+        tied = settle_head(self.language_model, self.config, weights)
         out = {}
         for key, value in weights.items():
             key = weight_key(key, tied)
@@ -294,6 +297,46 @@ def weight_key(key: str, tied: bool) -> Optional[str]:
     if tied and key.startswith("language_model.lm_head."):
         return None
     return key
+
+
+_HEAD, _EMBED = "language_model.lm_head.", "language_model.model.embed_tokens."
+
+
+def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[str, Any]) -> bool:
+    """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights``.
+
+    The model is built from config.json alone; only the weights say whether ``lm_head`` is
+    stored, which decides some key combinations. Runs before mlx-vlm quantizes and loads
+    (every pin), so a head added here is quantized like any stored module. Returns the
+    decision (the built structure when no head can be had: loading then names the
+    missing ``lm_head.weight``).
+    """
+    names = {weight_key(k, False): k for k in weights}
+    head = {n[len(_HEAD):]: k for n, k in names.items() if n and n.startswith(_HEAD)}
+    # Compared only where it decides: a stored head with the top-level key true.
+    same = bool(head) and bool(config.declared_tie_word_embeddings) and _same_arrays(
+        weights, head, {part: names.get(_EMBED + part) for part in head})
+    tied = config.head_tied(bool(head), same)
+    if tied is None or tied == language_model.tie_word_embeddings:
+        return language_model.tie_word_embeddings
+    if tied:
+        language_model.pop("lm_head", None)
+    else:
+        text = config.text_config
+        language_model.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+    language_model.tie_word_embeddings = config.tie_word_embeddings = tied
+    return tied
+
+
+def _same_arrays(weights: Dict[str, Any], a: Dict[str, str], b: Dict[str, Optional[str]]) -> bool:
+    """Whether the stored tensors named by ``a`` and ``b`` (part -> key) are equal, part by part."""
+    return all(
+        b[part] is not None
+        and weights[a[part]].shape == weights[b[part]].shape
+        and weights[a[part]].dtype == weights[b[part]].dtype
+        and mx.array_equal(weights[a[part]], weights[b[part]]).item()
+        for part in a
+    )
 
 
 def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:

@@ -94,7 +94,8 @@ class TextConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     layer_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = True
+    # None when config.json's text_config has no such key (see ModelConfig.head_tied).
+    tie_word_embeddings: Optional[bool] = None
     rope_parameters: Optional[Dict[str, Any]] = None
     rope_theta: Optional[float] = None
     attention_bias: bool = False
@@ -218,9 +219,11 @@ class ModelConfig:
     video_token_id: int = 255032
     vision_start_token_id: int = 255028
     vision_end_token_id: int = 255029
-    # The reference ties the head to the embeddings only when the TOP-LEVEL key
-    # says so (default False); text_config.tie_word_embeddings is not consulted.
-    tie_word_embeddings: bool = False
+    # Given: the top-level key (None: absent). After __post_init__: whether Model builds
+    # the head tied; head_tied() decides once the weights are known (Model.sanitize).
+    tie_word_embeddings: Optional[bool] = None
+    # The top-level key as config.json wrote it (None: absent); filled by __post_init__.
+    declared_tie_word_embeddings: Optional[bool] = field(default=None, repr=False)
     eos_token_id: Any = None
     pad_token_id: Optional[int] = None
 
@@ -245,9 +248,31 @@ class ModelConfig:
             self.vision_config = VisionConfig.from_dict(self.vision_config)
         if self.eos_token_id is None:
             self.eos_token_id = self.text_config.eos_token_id
+        if self.declared_tie_word_embeddings is None:
+            self.declared_tie_word_embeddings = self.tie_word_embeddings
+        # Built before the weights are seen: the key the config's writer meant (top level,
+        # else text_config); Model.sanitize re-decides with head_tied() where they disagree.
+        declared = self.declared_tie_word_embeddings
+        self.tie_word_embeddings = bool(self.text_config.tie_word_embeddings if declared is None else declared)
+
+    def head_tied(self, lm_head_stored: bool, same_as_embedding: bool = False) -> Optional[bool]:
+        """Whether the output head is the token embedding, for what the checkpoint stores.
+
+        As transformers 5.24 loads it, where it decides (measured, tests/test_tie_head.py):
+        a stored ``lm_head`` is used, unless top-level ``tie_word_embeddings`` is true and it
+        equals the embedding (then tied: the same head); no ``lm_head`` stored and the top-level
+        key true ties. The text_config key is never read. Where it would run a randomly
+        initialised head (no ``lm_head``, top-level key false or absent), text_config's key
+        decides: true ties, anything else is None (no head to load).
+        """
+        if lm_head_stored:
+            return bool(self.declared_tie_word_embeddings and same_as_embedding)
+        if self.declared_tie_word_embeddings:
+            return True
+        return True if self.text_config.tie_word_embeddings else None
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "declared_tie_word_embeddings"}
 
 
 def grid_sequence(grid_thw: Sequence[Sequence[int]]):
