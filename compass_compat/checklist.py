@@ -671,8 +671,8 @@ def _solid_image(path: Path, size: Tuple[int, int], colour: Tuple[int, int, int]
 def _preprocessor_probe(ctx: Context) -> Dict[str, Any]:
     """Is preprocessor_config.json honoured? Exact-arithmetic expectations from the file's values.
 
-    The ``small_max_pixels`` checkpoint's file says min 16384 / max 65536 pixels and a
-    non-default mean/std. A solid 64x64 image must be scaled up to the min-pixel bound and
+    The ``small_max_pixels`` checkpoint's tokenizer_config.json says min 16384 / max 65536
+    pixels and its preprocessor_config.json a non-default mean/std. A solid 64x64 image must be scaled up to the min-pixel bound and
     normalise to exactly ``(v/255 - mean) / std``; the 640x480 fixture image must be scaled
     down under the max-pixel bound. The bounds are the folder's as transformers resolves them
     (``checkpoint_checks.pixel_bounds``: processor_config.json's block over this file,
@@ -737,7 +737,8 @@ def check_image(ctx: Context, item: Item) -> ItemResult:
     if probe["problems"]:
         evidence += "\npreprocessor_config.json not honoured: " + "; ".join(probe["problems"])
     else:
-        evidence += "\npreprocessor_config.json honoured (min/max pixels, mean/std; exact arithmetic)"
+        evidence += ("\nimage files honoured (tokenizer_config.json min/max pixels, preprocessor_config.json "
+                     "mean/std; exact arithmetic)")
     return _result(ctx, item, PASS if ok else FAIL, evidence, {"cases": rows, "preprocessor_config": probe})
 
 

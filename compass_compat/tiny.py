@@ -1,14 +1,21 @@
 """A tiny, deterministic cohere_compass checkpoint for tests (no torch, no network).
 
-``build_tiny_checkpoint(path)`` writes a complete checkpoint folder: config.json,
-preprocessor_config.json, generation_config.json, the committed tiny tokenizer
-(``compass_compat/data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``) with its
-chat template, and model.safetensors in either weight layout:
+``build_tiny_checkpoint(path)`` writes a complete checkpoint folder with the published file set:
+config.json (``tie_word_embeddings`` at the top level and in ``text_config``),
+generation_config.json, preprocessor_config.json (the published values), the committed tiny
+tokenizer (``compass_compat/data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``:
+tokenizer.json, tokenizer_config.json with its ``min_pixels``/``max_pixels``, chat_template.jinja)
+and model.safetensors in either weight layout:
 
 - ``"original"``: CohereLabs key names (``model.language_model.*``, ``model.visual.*``), the
   Conv3d patch embedding in torch layout ``[O, C, T, P, P]``, no ``lm_head`` (tied);
 - ``"mlx"``: MLX-conversion key names (``language_model.model.*``, ``vision_tower.*``), the
-  Conv3d weight in MLX layout ``[O, T, P, P, C]``.
+  Conv3d weight in MLX layout ``[O, T, P, P, C]``, plus the processor_config.json that
+  mlx-vlm >= 0.6.13's converter writes (its nested ``image_processor`` block is what
+  transformers reads first).
+
+As in the published checkpoint, ``vocab_size`` exceeds the tokenizer: the embedding rows past
+it (``PADDED_VOCAB_SIZE - tokenizer_vocab_size()``) are padding no token maps to.
 
 Both hold the same values. Weights are drawn from numpy's PCG64 (``default_rng``) as uniform
 noise of a chosen standard deviation, using only IEEE-exact arithmetic, and written by a small
@@ -32,7 +39,9 @@ from typing import Dict, Iterator, Mapping, Tuple
 import numpy as np
 
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "data" / "tiny_tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# Embedding rows; the tokenizer has 512 entries (published: 262144 rows, 255035 entries).
+PADDED_VOCAB_SIZE = 576
 
 LAYOUTS = ("original", "mlx")
 DTYPES = ("float32", "bfloat16")
@@ -97,7 +106,7 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
     eos, pad, bos = ids["<|END_OF_TURN_TOKEN|>"], ids["<PAD>"], ids["<BOS_TOKEN>"]
     text = dict(
         model_type="cohere_compass_text",
-        vocab_size=tokenizer_vocab_size(),
+        vocab_size=PADDED_VOCAB_SIZE,
         **copy.deepcopy(TEXT),
         hidden_act="silu",
         max_position_embeddings=4096,
@@ -153,35 +162,66 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
     )
 
 
-def tiny_preprocessor_config(variant: str = "default") -> dict:
-    """preprocessor_config.json; values differ from the published defaults on purpose."""
+def tiny_pixel_bounds(variant: str = "default") -> Tuple[int, int]:
+    """(min_pixels, max_pixels) the processor uses: tokenizer_config.json's, scaled to tiny images."""
     _check("variant", variant, VARIANTS)
-    longest = 65536 if variant in ("small_max_pixels", "alt_attention") else 602112
+    return 16384, (65536 if variant in ("small_max_pixels", "alt_attention") else 602112)
+
+
+def tiny_preprocessor_config(variant: str = "default") -> dict:
+    """preprocessor_config.json with the published values (its size is overridden by the
+    tokenizer_config.json pixel bounds, as in the published checkpoint).
+
+    The other variants carry a non-default mean/std, so that a processor ignoring this file
+    (the published values are the class defaults) shows up.
+    """
+    _check("variant", variant, VARIANTS)
+    published = variant == "default"
     return dict(
         image_processor_type="CohereCompassImageProcessor",
         processor_class="CohereCompassProcessor",
         do_convert_rgb=True,
         do_resize=True,
         resample=3,
-        size={"shortest_edge": 16384, "longest_edge": longest},
+        size={"shortest_edge": 65536, "longest_edge": 16777216},
         do_rescale=True,
         rescale_factor=1 / 255,
         do_normalize=True,
-        image_mean=[0.48, 0.46, 0.41],
-        image_std=[0.27, 0.26, 0.28],
+        image_mean=[0.5, 0.5, 0.5] if published else [0.48, 0.46, 0.41],
+        image_std=[0.5, 0.5, 0.5] if published else [0.27, 0.26, 0.28],
         patch_size=16,
         temporal_patch_size=2,
         merge_size=2,
     )
 
 
+def tiny_tokenizer_config(variant: str = "default") -> dict:
+    """The committed tokenizer_config.json with the variant's pixel bounds."""
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["min_pixels"], config["max_pixels"] = tiny_pixel_bounds(variant)
+    return config
+
+
+def tiny_processor_config(variant: str = "default") -> dict:
+    """processor_config.json as mlx-vlm >= 0.6.13's converter writes it: the image processor's
+    settings nested, with the bounds it resolved (min/max_pixels and size agree)."""
+    low, high = tiny_pixel_bounds(variant)
+    block = {k: v for k, v in tiny_preprocessor_config(variant).items() if k not in ("processor_class", "resample")}
+    block.update(min_pixels=low, max_pixels=high, size={"shortest_edge": low, "longest_edge": high})
+    return {"image_processor": block, "processor_class": "CohereCompassProcessor"}
+
+
 def tiny_generation_config() -> dict:
+    """generation_config.json with the published stop token and sampling defaults."""
     ids = special_token_ids()
     return dict(
         bos_token_id=ids["<BOS_TOKEN>"],
         eos_token_id=ids["<|END_OF_TURN_TOKEN|>"],
         pad_token_id=ids["<PAD>"],
-        do_sample=False,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.8,
+        top_k=20,
     )
 
 
@@ -198,7 +238,7 @@ def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
     d, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
     hd, inter = d // heads, t["intermediate_size"]
     lm = "model.language_model."
-    yield lm + "embed_tokens.weight", (tokenizer_vocab_size(), d), "noise", 1.2
+    yield lm + "embed_tokens.weight", (PADDED_VOCAB_SIZE, d), "noise", 1.2
     for i in range(t["num_hidden_layers"]):
         p = f"{lm}layers.{i}."
         yield p + "input_layernorm.weight", (d,), "norm", 0.1
@@ -261,6 +301,8 @@ def tiny_weights(seed: int = 0) -> Dict[str, np.ndarray]:
     # so generation through mlx-vlm, which stops there, runs the full 32 tokens.
     embed = weights["model.language_model.embed_tokens.weight"]
     embed[special_token_ids()["<|END_OF_TURN_TOKEN|>"]] *= np.float32(0.25)
+    # Padding rows small, so no greedy step lands on an id the tokenizer cannot decode.
+    embed[tokenizer_vocab_size():] *= np.float32(0.1)
     return weights
 
 
@@ -364,8 +406,13 @@ def build_tiny_checkpoint(
     dump("config.json", tiny_config(variant, dtype))
     dump("preprocessor_config.json", tiny_preprocessor_config(variant))
     dump("generation_config.json", tiny_generation_config())
+    if layout == "mlx":
+        dump("processor_config.json", tiny_processor_config(variant))
     for name in TOKENIZER_FILES:
-        shutil.copyfile(TOKENIZER_DIR / name, path / name)
+        if name == "tokenizer_config.json":
+            dump(name, tiny_tokenizer_config(variant))
+        else:
+            shutil.copyfile(TOKENIZER_DIR / name, path / name)
 
     weights = tiny_weights(seed)
     if layout == "mlx":

@@ -1,10 +1,13 @@
 """Build the committed tiny tokenizer in compass_compat/data/tiny_tokenizer/.
 
 A byte-level BPE of 512 entries, shaped like Cohere's tokenizer where it matters to a loader:
-ByteLevel pre-tokenizer and decoder, <PAD>/<UNK>/<BOS_TOKEN>/<EOS_TOKEN> at the start of the
-vocabulary, the turn and vision tokens as special added tokens at its end, and a post-processor
-that prepends <BOS_TOKEN>. The files are written by hand (not by a transformers
-``save_pretrained``) so that transformers 4.57 and 5.x both load them with ``AutoTokenizer``.
+ByteLevel pre-tokenizer and decoder, Cohere's ids 0-7 (<PAD> <UNK> <CLS> <SEP> <MASK_TOKEN>
+<BOS_TOKEN> <EOS_TOKEN> <EOP_TOKEN>), the turn and vision tokens as special added tokens at its
+end, and a post-processor that prepends <BOS_TOKEN>. The file set and the tokenizer_config.json
+keys are the published checkpoint's (``tokenizer_class: CohereTokenizer``, ``backend:
+tokenizers``, no ``add_bos_token``, ``padding_side: right``, ``min_pixels``/``max_pixels``), and
+chat_template.jinja renders as the published template does. Written by hand (not by a
+transformers ``save_pretrained``) so that transformers 4.57 and 5.x load them alike.
 
 Run once, then commit the output:  python scripts/make_tiny_tokenizer.py
 Needs only the ``tokenizers`` package.
@@ -20,8 +23,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "compass_compat" / "data" / "tiny_tokenizer"
 
 VOCAB_SIZE = 512
-# Ids 0..3, learned vocabulary after them, as in Cohere's tokenizer.
-LEADING_SPECIALS = ["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>"]
+# Ids 0..7 as in Cohere's tokenizer, the learned vocabulary after them.
+LEADING_SPECIALS = ["<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>", "<EOP_TOKEN>"]
 # Appended after the learned vocabulary (Cohere keeps these at the top of its id range).
 TRAILING_SPECIALS = [
     "<|START_OF_TURN_TOKEN|>",
@@ -35,35 +38,28 @@ TRAILING_SPECIALS = [
     "<|VIDEO_PAD|>",
 ]
 
+# Behaves as the published chat_template.jinja does (written here, not copied): BOS, then each
+# system/user/assistant/chatbot turn; other roles are dropped; in list content, user image and
+# video parts render a vision block, every other part only its "text" key; no generation block.
 CHAT_TEMPLATE = (
-    "{#- Cohere-style chat template of the compass-compat tiny test checkpoint. -#}\n"
-    "{%- macro render_content(content) -%}\n"
-    "{%- if content is string -%}{{- content -}}\n"
-    "{%- elif content is not none -%}\n"
-    "{%- for part in content -%}\n"
-    "{%- if part is string -%}{{- part -}}\n"
-    "{%- elif part['type'] == 'text' -%}"
-    "{{- part['text'] if part['text'] is defined else part['content'] -}}\n"
-    "{%- elif part['type'] in ['image', 'image_url'] or (part['type'] is not defined and "
-    "(part['image'] is defined or part['image_url'] is defined or part['url'] is defined)) -%}"
+    "{#- Chat template of the compass-compat tiny test checkpoint; renders as the published one. -#}\n"
+    "{%- set headers = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>', "
+    "'assistant': '<|CHATBOT_TOKEN|>', 'chatbot': '<|CHATBOT_TOKEN|>'} -%}\n"
+    "{{- bos_token -}}\n"
+    "{%- for message in messages if message['role'] in headers -%}\n"
+    "{{- '<|START_OF_TURN_TOKEN|>' + headers[message['role']] -}}\n"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}\n"
+    "{%- else -%}\n"
+    "{%- for part in message['content'] if part is mapping -%}\n"
+    "{%- if message['role'] == 'user' and (part['type'] == 'image' or 'image' in part or 'image_url' in part) -%}"
     "{{- '<|VISION_START|><|IMAGE_PAD|><|VISION_END|>' -}}\n"
+    "{%- elif message['role'] == 'user' and (part['type'] == 'video' or 'video' in part) -%}"
+    "{{- '<|VISION_START|><|VIDEO_PAD|><|VISION_END|>' -}}\n"
+    "{%- elif 'text' in part -%}{{- part['text'] -}}\n"
     "{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- endif -%}\n"
-    "{%- endmacro -%}\n"
-    "{{- bos_token -}}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if message['role'] == 'user' -%}"
-    "{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + render_content(message['content']) + '<|END_OF_TURN_TOKEN|>' -}}\n"
-    "{%- elif message['role'] == 'system' -%}"
-    "{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + render_content(message['content']) + '<|END_OF_TURN_TOKEN|>' -}}\n"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}"
-    "{%- generation -%}"
-    "{{- render_content(message['content']) + '<|END_OF_TURN_TOKEN|>' -}}"
-    "{%- endgeneration -%}\n"
-    "{%- else -%}{{- raise_exception('Unknown role: ' + message['role']) -}}\n"
-    "{%- endif -%}\n"
+    "{{- '<|END_OF_TURN_TOKEN|>' -}}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}{%- endif -%}\n"
 )
@@ -141,14 +137,9 @@ def build() -> Tokenizer:
     return tok
 
 
-def special_tokens_map() -> dict:
-    return {
-        "bos_token": "<BOS_TOKEN>",
-        "eos_token": "<|END_OF_TURN_TOKEN|>",
-        "unk_token": "<UNK>",
-        "pad_token": "<PAD>",
-        "additional_special_tokens": ["<EOS_TOKEN>", *TRAILING_SPECIALS],
-    }
+# The published tokenizer_config.json's keys. Its pixel bounds (16384 / 3868706) are scaled to
+# tiny images; transformers' processor merges them into the image kwargs, so they must be here.
+MIN_PIXELS, MAX_PIXELS = 16384, 602112
 
 
 def tokenizer_config(tok: Tokenizer) -> dict:
@@ -163,15 +154,30 @@ def tokenizer_config(tok: Tokenizer) -> dict:
         }
         for t in LEADING_SPECIALS + TRAILING_SPECIALS
     }
+    # No add_bos_token key, as published: the class default (True) applies.
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        **special_tokens_map(),
-        "add_prefix_space": False,
+        "backend": "tokenizers",
+        "bos_token": "<BOS_TOKEN>",
         "clean_up_tokenization_spaces": False,
+        "cls_token": "<CLS>",
+        "eos_token": "<|END_OF_TURN_TOKEN|>",
+        "mask_token": "<MASK_TOKEN>",
+        "max_pixels": MAX_PIXELS,
+        "min_pixels": MIN_PIXELS,
         "model_max_length": 8192,
-        "padding_side": "left",
-        "chat_template": CHAT_TEMPLATE,
+        "model_specific_special_tokens": {
+            "image_token": "<|IMAGE_PAD|>",
+            "video_token": "<|VIDEO_PAD|>",
+            "vision_start_token": "<|VISION_START|>",
+            "vision_end_token": "<|VISION_END|>",
+        },
+        "pad_token": "<PAD>",
+        "padding_side": "right",
+        "processor_class": "CohereCompassProcessor",
+        "sep_token": "<SEP>",
+        "tokenizer_class": "CohereTokenizer",
+        "unk_token": "<UNK>",
     }
 
 
@@ -181,7 +187,7 @@ def main() -> None:
     tok.save(str(OUT / "tokenizer.json"), pretty=True)
     dump = lambda obj: json.dumps(obj, indent=2, ensure_ascii=False) + "\n"  # noqa: E731
     (OUT / "tokenizer_config.json").write_text(dump(tokenizer_config(tok)), encoding="utf-8")
-    (OUT / "special_tokens_map.json").write_text(dump(special_tokens_map()), encoding="utf-8")
+    (OUT / "special_tokens_map.json").unlink(missing_ok=True)  # not in the published file set
     (OUT / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     ids = {t: tok.token_to_id(t) for t in LEADING_SPECIALS + TRAILING_SPECIALS}
     print(f"wrote {OUT} ({tok.get_vocab_size(with_added_tokens=True)} tokens)")

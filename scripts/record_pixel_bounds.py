@@ -73,7 +73,7 @@ FOLDERS: Dict[str, Dict[str, Any]] = {
     "cohere_original": dict(tokenizer=PUBLISHED_TOKENIZER_BOUNDS, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
     "mlx_conversion": dict(tokenizer=PUBLISHED_TOKENIZER_BOUNDS, preprocessor=PUBLISHED_PREPROCESSOR,
                            processor={"image_processor": CONVERTED_BLOCK, "processor_class": "CohereCompassProcessor"}),
-    # The tiny checkpoint's case: no bounds in tokenizer_config.json, so preprocessor_config.json's.
+    # No bounds in tokenizer_config.json, so preprocessor_config.json's.
     "no_tokenizer_bounds": dict(tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
     "tokenizer_min_only": dict(tokenizer={"min_pixels": 16384}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
     "tokenizer_max_only": dict(tokenizer={"max_pixels": 3868706}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
@@ -142,6 +142,9 @@ def build_folder(name: str, path: pathlib.Path, base: Optional[pathlib.Path] = N
         for file in TOKENIZER_FILES:
             shutil.copyfile(TOKENIZER_DIR / file, path / file)
     tokenizer = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    # Each case says all of its bounds: none carried over from the copied files.
+    for key in ("min_pixels", "max_pixels", "size"):
+        tokenizer.pop(key, None)
     tokenizer.update(copy.deepcopy(spec["tokenizer"]))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2), encoding="utf-8")
     for file, key in (("preprocessor_config.json", "preprocessor"), ("processor_config.json", "processor")):

@@ -184,7 +184,7 @@ class Reference:
 
         class ProcessorWithoutVideo(CohereCompassProcessor):
             # AutoProcessor and the video processor need torchvision: build the processor from
-            # its parts, with no video processor. Only used to cross-check inputs() below.
+            # its parts, with no video processor.
             def check_argument_for_proper_class(self, name, arg):
                 return None if arg is None else super().check_argument_for_proper_class(name, arg)
 
@@ -193,8 +193,9 @@ class Reference:
         )
 
     def inputs(self, messages: List[dict], image_paths: Dict[str, pathlib.Path]) -> dict:
-        """Model inputs as CohereCompassProcessor makes them, built from the tokenizer, the chat
-        template and the PIL image processor (and cross-checked against the processor)."""
+        """Model inputs as CohereCompassProcessor makes them from the checkpoint's files (its
+        pixel bounds are tokenizer_config.json's, merged in by the processor), cross-checked
+        against the tokenizer and chat template used directly."""
         import torch
         from PIL import Image
 
@@ -204,7 +205,8 @@ class Reference:
         text = prompt
         if names:
             images = [Image.open(image_paths[n]).convert("RGB") for n in names]
-            processed = self.image_processor(images=images, return_tensors="pt")
+            # The rendered template already starts with BOS.
+            processed = self.processor(text=[prompt], images=images, add_special_tokens=False, return_tensors="pt")
             grid = processed["image_grid_thw"]
             merge = self.image_processor.merge_size
             counts = [int(g.prod()) // merge**2 for g in grid]
@@ -217,17 +219,10 @@ class Reference:
         if names:
             out["mm_token_type_ids"] = (ids == self.config.image_token_id).long()
             assert int(out["mm_token_type_ids"].sum()) == sum(out["num_image_tokens"])
-            self._cross_check(prompt, images, out)
+            for key in ("input_ids", "mm_token_type_ids"):
+                if not torch.equal(torch.as_tensor(processed[key]).to(out[key].dtype), out[key]):
+                    raise SystemExit(f"{key} differs from what CohereCompassProcessor produces")
         return out
-
-    def _cross_check(self, prompt: str, images: list, out: dict) -> None:
-        """The inputs built above are exactly what CohereCompassProcessor produces."""
-        import torch
-
-        expected = self.processor(text=[prompt], images=images, add_special_tokens=False, return_tensors="pt")
-        for key in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
-            if not torch.equal(torch.as_tensor(expected[key]).to(out[key].dtype), out[key]):
-                raise SystemExit(f"{key} differs from what CohereCompassProcessor produces")
 
     def forward(self, input_ids, inputs: dict, **kwargs):
         self.model.model.rope_deltas = None  # no state carried over from an earlier call

@@ -231,6 +231,22 @@ DEFECTS_DRIVER = textwrap.dedent(
         cls.from_dict = classmethod(lambda c, values, **kw: original.__func__(c, {}, **kw))
         return lambda: setattr(cls, "from_dict", original)
 
+    def processor_ignores_tokenizer_pixel_bounds():
+        # The pre-issue-15 processor: tokenizer_config.json's min/max_pixels not merged in.
+        # Only while the processor loads: the checklist's expectation uses the same resolver.
+        cls = processing.CohereCompassProcessor
+        original, resolve = cls.__dict__["from_pretrained"], processing.resolve_pixel_bounds
+        def without_tokenizer(image_config, image_config_file=None, tokenizer_config=None, *args, **kwargs):
+            return resolve(image_config, image_config_file, None, *args, **kwargs)
+        def from_pretrained(c, *args, **kwargs):
+            processing.resolve_pixel_bounds = without_tokenizer
+            try:
+                return original.__func__(c, *args, **kwargs)
+            finally:
+                processing.resolve_pixel_bounds = resolve
+        cls.from_pretrained = classmethod(from_pretrained)
+        return lambda: setattr(cls, "from_pretrained", original)
+
     def replay_drops_deepstack():
         cls = model_module.Model
         original = cls.get_input_embeddings
@@ -247,6 +263,7 @@ DEFECTS_DRIVER = textwrap.dedent(
         "sliding_window_off_by_one": sliding_window_off_by_one,
         "contiguous_mrope": contiguous_mrope,
         "processor_ignores_preprocessor_config": processor_ignores_preprocessor_config,
+        "processor_ignores_tokenizer_pixel_bounds": processor_ignores_tokenizer_pixel_bounds,
         "replay_drops_deepstack": replay_drops_deepstack,
     }
     plan = json.loads(sys.argv[1])
@@ -266,6 +283,7 @@ PLAN = {
     "sliding_window_off_by_one": [2],
     "contiguous_mrope": [2, 3],
     "processor_ignores_preprocessor_config": [3],
+    "processor_ignores_tokenizer_pixel_bounds": [3],
     "replay_drops_deepstack": [4],
 }
 
@@ -308,8 +326,17 @@ def test_processor_ignoring_preprocessor_config_fails_item_3(defects):
     assert r["verdict"] == "FAIL", r["evidence"]
     assert "preprocessor_config.json not honoured" in r["evidence"]
     probe = r["details"]["preprocessor_config"]
-    assert probe["640x480"]["grid"] != probe["640x480"]["expected_grid"]
+    # The bounds are tokenizer_config.json's, still merged in; the mean/std are lost.
+    assert probe["640x480"]["grid"] == probe["640x480"]["expected_grid"]
     assert probe["solid 64x64"]["max_abs"] > 0.1
+
+
+def test_processor_ignoring_tokenizer_pixel_bounds_fails_item_3(defects):
+    r = item(defects["processor_ignores_tokenizer_pixel_bounds"], 3)
+    assert r["verdict"] == "FAIL", r["evidence"]
+    probe = r["details"]["preprocessor_config"]
+    assert probe["640x480"]["grid"] != probe["640x480"]["expected_grid"]
+    assert probe["solid 64x64"]["max_abs"] <= 1e-5
 
 
 def test_replay_dropping_deepstack_fails_item_4(defects):

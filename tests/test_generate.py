@@ -72,11 +72,15 @@ def test_chat_template_path_renders_the_reference_prompt(loaded, reference):
         assert prompt == meta["prompt"], name
 
 
-def test_loaded_processor_honours_preprocessor_config(loaded, tiny_ckpt_original):
-    """mlx-vlm's load keeps the checkpoint's preprocessor_config.json (the tiny one is non-default)."""
+def test_loaded_processor_honours_the_image_files(loaded, tiny_ckpt_original):
+    """mlx-vlm's load keeps the checkpoint's image settings: mean/std from preprocessor_config.json,
+    pixel bounds from tokenizer_config.json (which overrides the preprocessor's size, as in
+    transformers)."""
     import json
 
     want = json.loads((tiny_ckpt_original / "preprocessor_config.json").read_text())
+    tokenizer_config = json.loads((tiny_ckpt_original / "tokenizer_config.json").read_text())
     ip = loaded[1].image_processor
     assert list(ip.image_mean) == want["image_mean"] and list(ip.image_std) == want["image_std"]
-    assert (ip.min_pixels, ip.max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
+    assert (ip.min_pixels, ip.max_pixels) == (tokenizer_config["min_pixels"], tokenizer_config["max_pixels"])
+    assert (ip.min_pixels, ip.max_pixels) != (want["size"]["shortest_edge"], want["size"]["longest_edge"])

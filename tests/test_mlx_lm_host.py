@@ -150,7 +150,9 @@ def test_generate_from_the_rendered_prompt_string(loaded, reference):
     tokens = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=steps)]
     assert tokens == case["greedy_ids"].tolist()
     text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=steps)
-    assert text == tokenizer.decode(case["greedy_ids"].tolist())
+    want = tokenizer.decode(case["greedy_ids"].tolist())
+    # mlx-lm's BPE streaming detokenizer drops the first output's leading space (every BPE model).
+    assert text == (want[1:] if want.startswith(" ") else want)
 
 
 # ------------------------------------------------------------- image path

@@ -202,13 +202,19 @@ def test_image_processor_from_pretrained_prefers_the_block(folders):
     assert (ip.min_pixels, ip.max_pixels) == tuple(FIXTURE["cases"]["block_beats_preprocessor"]["bounds"])
 
 
-def test_tiny_checkpoint_bounds_are_unchanged(tiny_ckpt_original):
-    """The default tiny checkpoint has no bounds in tokenizer_config.json: its
-    preprocessor_config.json decides, as before."""
-    want = json.loads((tiny_ckpt_original / "preprocessor_config.json").read_text())["size"]
-    bounds = pixel_bounds(tiny_ckpt_original)
-    assert (bounds.min_pixels, bounds.max_pixels) == (want["shortest_edge"], want["longest_edge"])
-    assert bounds.call_defaults == {}
+@pytest.mark.parametrize("layout", ["original", "mlx"])
+def test_tiny_checkpoint_bounds_are_its_tokenizer_configs(tmp_path, layout):
+    """The default tiny checkpoint is laid out as published: tokenizer_config.json's
+    min/max_pixels decide over preprocessor_config.json's size (and, in the MLX layout, agree
+    with processor_config.json's block)."""
+    folder = build_tiny_checkpoint(tmp_path, layout=layout)
+    want = json.loads((folder / "tokenizer_config.json").read_text())
+    size = json.loads((folder / "preprocessor_config.json").read_text())["size"]
+    bounds = pixel_bounds(folder)
+    assert (bounds.min_pixels, bounds.max_pixels) == (want["min_pixels"], want["max_pixels"])
+    assert (bounds.min_pixels, bounds.max_pixels) != (size["shortest_edge"], size["longest_edge"])
+    assert (bounds.min_source, bounds.max_source) == (
+        "tokenizer_config.json min_pixels", "tokenizer_config.json max_pixels")
 
 
 # ------------------------------------------------------------------ mlx_vlm.utils.load

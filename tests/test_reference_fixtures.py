@@ -63,8 +63,34 @@ def test_checkpoint_bytes_are_reproducible(reference, tmp_path, layout, dtype):
     recorded = reference.index["checkpoint"]["safetensors_sha256"][f"{layout}/{dtype}"]
     assert _sha256(ckpt / "model.safetensors") == recorded
     names = {p.name for p in ckpt.iterdir()}
-    assert {"config.json", "preprocessor_config.json", "generation_config.json", "chat_template.jinja"} <= names
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= names
+    published = {"config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors"}
+    # The MLX conversion adds the processor_config.json that mlx-vlm >= 0.6.13 writes.
+    assert names == published | ({"processor_config.json"} if layout == "mlx" else set())
+
+
+def test_files_carry_the_published_keys(tiny_ckpt_original, tiny_ckpt_mlx):
+    tokenizer_config = json.loads((tiny_ckpt_original / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "CohereTokenizer" and tokenizer_config["backend"] == "tokenizers"
+    assert "add_bos_token" not in tokenizer_config and tokenizer_config["padding_side"] == "right"
+    assert tokenizer_config["processor_class"] == "CohereCompassProcessor"
+    assert (tokenizer_config["min_pixels"], tokenizer_config["max_pixels"]) == tiny.tiny_pixel_bounds()
+    special = {k: tokenizer_config[k + "_token"] for k in ("bos", "eos", "pad", "unk", "cls", "sep", "mask")}
+    assert special == {"bos": "<BOS_TOKEN>", "eos": "<|END_OF_TURN_TOKEN|>", "pad": "<PAD>", "unk": "<UNK>",
+                       "cls": "<CLS>", "sep": "<SEP>", "mask": "<MASK_TOKEN>"}
+    assert sorted(tokenizer_config["model_specific_special_tokens"]) == [
+        "image_token", "video_token", "vision_end_token", "vision_start_token"]
+    ids = tiny.special_token_ids()
+    assert [ids[t] for t in ("<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>",
+                             "<EOP_TOKEN>")] == list(range(8))  # Cohere's id layout
+    preprocessor = json.loads((tiny_ckpt_original / "preprocessor_config.json").read_text())
+    assert preprocessor["size"] == {"shortest_edge": 65536, "longest_edge": 16777216}
+    assert preprocessor["image_mean"] == preprocessor["image_std"] == [0.5, 0.5, 0.5]
+    generation = json.loads((tiny_ckpt_original / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == ids["<|END_OF_TURN_TOKEN|>"]
+    assert (generation["temperature"], generation["top_p"], generation["top_k"]) == (0.7, 0.8, 20)
+    block = json.loads((tiny_ckpt_mlx / "processor_config.json").read_text())["image_processor"]
+    assert (block["min_pixels"], block["max_pixels"]) == tiny.tiny_pixel_bounds()
 
 
 def test_layouts_differ_only_in_names_and_conv_layout(tiny_ckpt_original, tiny_ckpt_mlx):
@@ -82,13 +108,20 @@ def test_layouts_differ_only_in_names_and_conv_layout(tiny_ckpt_original, tiny_c
     assert all(np.array_equal(back[k], original[k]) for k in original)
 
 
-def test_small_max_pixels_variant_changes_only_the_pixel_bound(tmp_path, tiny_ckpt_original):
+def test_small_max_pixels_variant_changes_only_the_image_settings(tmp_path, tiny_ckpt_original):
     small = tiny.build_tiny_checkpoint(tmp_path, variant="small_max_pixels")
     assert _sha256(small / "model.safetensors") == _sha256(tiny_ckpt_original / "model.safetensors")
     assert _config(small) == _config(tiny_ckpt_original)
+    default, bounded = (json.loads((d / "tokenizer_config.json").read_text()) for d in (tiny_ckpt_original, small))
+    assert (default["max_pixels"], bounded["max_pixels"]) == (602112, 65536)
+    assert {k: v for k, v in bounded.items() if k != "max_pixels"} == {
+        k: v for k, v in default.items() if k != "max_pixels"}
+    same = ("generation_config.json", "tokenizer.json", "chat_template.jinja")
+    assert all(_sha256(small / n) == _sha256(tiny_ckpt_original / n) for n in same)
     default, bounded = (json.loads((d / "preprocessor_config.json").read_text()) for d in (tiny_ckpt_original, small))
-    assert (default["size"]["longest_edge"], bounded["size"]["longest_edge"]) == (602112, 65536)
-    assert {k: v for k, v in bounded.items() if k != "size"} == {k: v for k, v in default.items() if k != "size"}
+    assert bounded["image_mean"] != default["image_mean"] and bounded["image_std"] != default["image_std"]
+    assert {k: v for k, v in bounded.items() if k not in ("image_mean", "image_std")} == {
+        k: v for k, v in default.items() if k not in ("image_mean", "image_std")}
 
 
 def test_config_keeps_the_published_quirks(tiny_ckpt_original):
@@ -118,7 +151,9 @@ def test_config_ids_are_the_tokenizer_ids(tiny_ckpt_original):
     tok = transformers.AutoTokenizer.from_pretrained(str(tiny_ckpt_original))
     config = _config(tiny_ckpt_original)
     text = config["text_config"]
-    assert len(tok) == text["vocab_size"] == tiny.tokenizer_vocab_size()
+    # As published: the embedding has padding rows past the tokenizer's last id.
+    assert len(tok) == tiny.tokenizer_vocab_size() < text["vocab_size"] == tiny.PADDED_VOCAB_SIZE
+    assert tok.convert_ids_to_tokens(len(tok)) is None and tok.decode([len(tok)]) == ""
     ids = tok.convert_tokens_to_ids
     assert config["image_token_id"] == ids("<|IMAGE_PAD|>")
     assert config["video_token_id"] == ids("<|VIDEO_PAD|>")
@@ -166,7 +201,7 @@ def test_fixture_images_are_the_generated_ones(reference, fixture_images):
 
 def test_reference_cases_are_complete_and_not_degenerate(reference):
     index = reference.index
-    vocab = tiny.tokenizer_vocab_size()
+    vocab = tiny.PADDED_VOCAB_SIZE
     hidden = tiny.TEXT["hidden_size"]
     assert set(reference.cases) == set(_recorder().CASES)
     for name in reference.cases:

@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from compass_compat.checkpoint_checks import CheckpointError, expected_tensors, validate_checkpoint  # noqa: E402
-from compass_compat.tiny import special_token_ids  # noqa: E402
+from compass_compat.tiny import PADDED_VOCAB_SIZE, special_token_ids  # noqa: E402
 
 MLX_VERSION = tuple(int(part) for part in mx.__version__.split(".")[:2])
 MLX_VLM_VERSION = tuple(int(part) for part in importlib.metadata.version("mlx-vlm").split(".")[:2])
@@ -214,7 +214,7 @@ BROKEN: List[Broken] = [
     Broken("text_hidden_size_missing", _text(lambda t: t.pop("hidden_size")), GUARDED,
            r"sums to 8, but head_dim // 2 is 1024\. .* leaves text_config\.hidden_size to the reference's defaults"),
     Broken("text_vocab_size_missing", _text(lambda t: t.pop("vocab_size")), GUARDED,
-           r"embed_tokens\.weight \(in model\.safetensors\) has shape \[512, 64\] but config\.json implies "
+           rf"embed_tokens\.weight \(in model\.safetensors\) has shape \[{PADDED_VOCAB_SIZE}, 64\] but config\.json implies "
            r"\[256000, 64\].* leaves text_config\.vocab_size to the reference's defaults"),
     Broken("vision_out_hidden_size_missing", _config(lambda c: c["vision_config"].pop("out_hidden_size")), GUARDED,
            r"has shape \[64, 128\] but config\.json implies \[3584, 128\].*vision_config\.out_hidden_size"),
@@ -559,7 +559,11 @@ def _reference_image_processor(folder: Path):
     config = json.loads((folder / "preprocessor_config.json").read_text())
     keys = ("patch_size", "merge_size", "temporal_patch_size", "size", "resample", "do_convert_rgb",
             "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
-    return CohereCompassImageProcessorPil(**{k: config[k] for k in keys})
+    settings = {k: config[k] for k in keys}
+    # transformers' processor merges tokenizer_config.json's bounds over the file's size.
+    tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["size"] = {"shortest_edge": tokenizer["min_pixels"], "longest_edge": tokenizer["max_pixels"]}
+    return CohereCompassImageProcessorPil(**settings)
 
 
 def test_huge_image_file_is_refused_before_decoding(loaded, images):

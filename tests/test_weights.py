@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from compass_compat import tiny
 
 from vendored import vendored
 
@@ -85,7 +86,7 @@ def test_wrong_shape_is_named(tiny_ckpt_original, tmp_path):
 def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, reference):
     from parity import prefill
 
-    head = np.random.default_rng(0).standard_normal((512, 64)).astype(np.float32) * 0.5
+    head = np.random.default_rng(0).standard_normal((tiny.PADDED_VOCAB_SIZE, tiny.TEXT["hidden_size"])).astype(np.float32) * 0.5
 
     def add_head(w):
         w["lm_head.weight"] = mx.array(head)
