@@ -208,7 +208,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
     prompt = " ".join(args.prompt) if args.prompt else DEFAULT_PROMPT
     messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
-    formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    # Our processor refuses video (a video token typed into the prompt) with this error.
+    refused = getattr(sys.modules.get(type(processor).__module__), "VideoNotSupportedError", None)
+    refused = refused if isinstance(refused, type) and issubclass(refused, Exception) else ()
+    try:
+        formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    except refused as err:
+        raise CliError(str(err)) from err
 
     if args.verbose:
         info = implementation_info()
@@ -229,12 +235,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Seeded here, not before load: building the model draws from the PRNG (weight init).
     mx.random.seed(args.seed)
     # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
-    for result in stream_generate(
-        model, processor, formatted, image=images or None, max_tokens=args.max_tokens, **sampling
-    ):
-        print(result.text, end="", flush=True)
-        pieces.append(result.text)
-        last = result
+    try:
+        for result in stream_generate(
+            model, processor, formatted, image=images or None, max_tokens=args.max_tokens, **sampling
+        ):
+            print(result.text, end="", flush=True)
+            pieces.append(result.text)
+            last = result
+    except refused as err:
+        raise CliError(str(err)) from err
     print(flush=True)
     if args.verbose and last is not None:
         print("=" * 10)
