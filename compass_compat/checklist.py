@@ -108,7 +108,7 @@ ITEMS: Tuple[Item, ...] = (
     Item(2, "{impl}'s text path matches the reference (prefill logits within 1e-4, 32 greedy ids)",
          "a wrong window, norm or rope silently degrades every answer"),
     Item(3, "{impl}'s image path matches the reference (pixels, image tokens, positions, logits, greedy ids; "
-            "preprocessor_config.json honoured; no double BOS)",
+            "image files honoured; no double BOS)",
          "wrong pixels or MRoPE positions silently degrade every image answer"),
     Item(4, "{impl} has a public encode_image; its cached replay logits identical to the uncached path (deepstack included)",
          "hosts that cache image features would silently lose the deepstack residuals"),
@@ -122,6 +122,10 @@ ITEMS: Tuple[Item, ...] = (
          "published MLX conversions are quantized"),
     Item(9, "both weight layouts (original and MLX) load through {impl}",
          "CohereLabs checkpoints and MLX conversions use different key names"),
+    Item(10, "a sampled vocabulary-padding id (past the tokenizer) streams as the reference decodes it: "
+             "no text, no error ({impl})",
+         "vocab_size exceeds the tokenizer (262144 vs 255035): one sampled padding id ends the stream "
+         "with an IndexError"),
 )
 ITEM_NUMBERS = tuple(item.number for item in ITEMS)
 
@@ -735,7 +739,7 @@ def check_image(ctx: Context, item: Item) -> ItemResult:
     ok = not any(r["problems"] for r in rows) and not probe["problems"]
     evidence = f"{len(rows)} image cases; " + _summarize_cases(rows, image=True)
     if probe["problems"]:
-        evidence += "\npreprocessor_config.json not honoured: " + "; ".join(probe["problems"])
+        evidence += "\nimage files not honoured: " + "; ".join(probe["problems"])
     else:
         evidence += ("\nimage files honoured (tokenizer_config.json min/max pixels, preprocessor_config.json "
                      "mean/std; exact arithmetic)")
@@ -1201,6 +1205,51 @@ def check_layouts(ctx: Context, item: Item) -> ItemResult:
     return _result(ctx, item, PASS, evidence + f" (tol {_g(LOGIT_TOL)})", details)
 
 
+def check_padding_ids(ctx: Context, item: Item) -> ItemResult:
+    """Item 10: the detokenizer ``mlx_vlm.load`` attaches streams padding ids as the reference's
+    ``decode`` does: the text is that of the same ids without them."""
+    skipped = _unavailable(ctx, item)
+    if skipped:
+        return skipped
+    try:
+        model, processor = ctx.load(ctx.checkpoint("original"))
+        tokenizer = getattr(processor, "tokenizer", processor)
+        size, vocab = len(tokenizer), int(model.config.text_config.vocab_size)
+        if vocab <= size:
+            raise CouldNotRun(f"the tiny checkpoint has no padding rows (vocab_size {vocab}, tokenizer {size})")
+        words = tokenizer("the picture shows a red square", add_special_tokens=False)["input_ids"]
+        padded = words[:2] + [size, vocab - 1] + words[2:]
+        reference = tokenizer.decode(padded)
+        if reference != tokenizer.decode(words):  # the reference's own rule, re-checked on this pin
+            raise CouldNotRun(f"this transformers decodes padding ids to text: {reference!r}")
+
+        def stream(ids: List[int]) -> str:
+            detokenizer = processor.detokenizer
+            detokenizer.reset()
+            for token in ids:
+                detokenizer.add_token(token)
+            detokenizer.finalize()
+            return detokenizer.text
+
+        want = stream(words)
+        try:
+            got = stream(padded)
+        except Exception as exc:  # the error is the evidence
+            return _result(ctx, item, FAIL, f"streaming ids {padded}: {_error_text(exc)}",
+                           {"ids": padded, "error": _error_text(exc)})
+    except CouldNotRun:
+        raise
+    except Exception as exc:  # loading or tokenizing failed: the error is the evidence
+        return _result(ctx, item, FAIL, _error_text(exc), {"error": _error_text(exc)})
+    details = {"ids": padded, "tokenizer_size": size, "vocab_size": vocab, "text": got, "expected": want,
+               "reference_decode": reference, "detokenizer": type(processor.detokenizer).__name__}
+    evidence = (f"{type(processor.detokenizer).__name__} on ids {padded} (padding ids {size} and {vocab - 1}; "
+                f"tokenizer {size}, vocab_size {vocab}): {got!r}")
+    if got != want:
+        return _result(ctx, item, FAIL, evidence + f", without the padding ids {want!r}", details)
+    return _result(ctx, item, PASS, evidence + ", the same as without them (reference decode: nothing)", details)
+
+
 CHECKS: Dict[int, Callable[[Context, Item], ItemResult]] = {
     1: check_ships,
     2: check_text,
@@ -1211,6 +1260,7 @@ CHECKS: Dict[int, Callable[[Context, Item], ItemResult]] = {
     7: check_vendored_imports,
     8: check_quantized,
     9: check_layouts,
+    10: check_padding_ids,
 }
 
 

@@ -113,7 +113,8 @@ def test_verdicts_match_checklist_md(implementation, upstream_report, vendored_r
 def test_vendored_copy_passes_what_it_must(vendored_report):
     """Ours passes the model items on every pin: the checks can be met."""
     verdicts = vendored_report["verdicts"]
-    assert {n: verdicts[n] for n in ("2", "3", "4", "7", "8", "9")} == dict.fromkeys(("2", "3", "4", "7", "8", "9"), "PASS"), (
+    model_items = ("2", "3", "4", "7", "8", "9", "10")
+    assert {n: verdicts[n] for n in model_items} == dict.fromkeys(model_items, "PASS"), (
         describe(vendored_report)
     )
     assert vendored_report["live_package"].endswith(os.path.join("mlx_vlm", "models", "cohere_compass"))
@@ -128,7 +129,7 @@ def test_upstream_run_targets_upstream(upstream_report):
     else:
         assert upstream_report["live_package"] is None
         by_item = {r["item"]: r for r in upstream_report["items"]}
-        for n in (1, 2, 3, 4, 6, 8, 9):
+        for n in (1, 2, 3, 4, 6, 8, 9, 10):
             assert by_item[n]["verdict"] == "FAIL"
             assert "no upstream cohere_compass" in by_item[n]["evidence"]
         # Meaningful on every pin: the vendored code's imports, and the pristine MODEL_CONFIG.
@@ -165,7 +166,7 @@ def test_missing_fixtures_exit_2_and_say_why(tmp_path):
 
 
 def test_unknown_item_is_a_usage_error():
-    proc = run_checklist("--items", "10")
+    proc = run_checklist("--items", str(max(checklist.ITEM_NUMBERS) + 1))
     assert proc.returncode == 2 and "unknown checklist item" in proc.stderr
 
 
@@ -247,6 +248,13 @@ DEFECTS_DRIVER = textwrap.dedent(
         cls.from_pretrained = classmethod(from_pretrained)
         return lambda: setattr(cls, "from_pretrained", original)
 
+    def detokenizer_unguarded():
+        cls = processing.CohereCompassProcessor
+        original = cls.__dict__["detokenizer"]
+        cls.detokenizer = property(lambda self: self.__dict__["_detokenizer"],
+                                   lambda self, value: self.__dict__.__setitem__("_detokenizer", value))
+        return lambda: setattr(cls, "detokenizer", original)
+
     def replay_drops_deepstack():
         cls = model_module.Model
         original = cls.get_input_embeddings
@@ -265,6 +273,7 @@ DEFECTS_DRIVER = textwrap.dedent(
         "processor_ignores_preprocessor_config": processor_ignores_preprocessor_config,
         "processor_ignores_tokenizer_pixel_bounds": processor_ignores_tokenizer_pixel_bounds,
         "replay_drops_deepstack": replay_drops_deepstack,
+        "detokenizer_unguarded": detokenizer_unguarded,
     }
     plan = json.loads(sys.argv[1])
     results = {}
@@ -285,6 +294,7 @@ PLAN = {
     "processor_ignores_preprocessor_config": [3],
     "processor_ignores_tokenizer_pixel_bounds": [3],
     "replay_drops_deepstack": [4],
+    "detokenizer_unguarded": [10],
 }
 
 
@@ -324,7 +334,7 @@ def test_contiguous_mrope_fails_item_3_only(defects):
 def test_processor_ignoring_preprocessor_config_fails_item_3(defects):
     r = item(defects["processor_ignores_preprocessor_config"], 3)
     assert r["verdict"] == "FAIL", r["evidence"]
-    assert "preprocessor_config.json not honoured" in r["evidence"]
+    assert "image files not honoured" in r["evidence"]
     probe = r["details"]["preprocessor_config"]
     # The bounds are tokenizer_config.json's, still merged in; the mean/std are lost.
     assert probe["640x480"]["grid"] == probe["640x480"]["expected_grid"]
@@ -343,3 +353,11 @@ def test_replay_dropping_deepstack_fails_item_4(defects):
     r = item(defects["replay_drops_deepstack"], 4)
     assert r["verdict"] == "FAIL", r["evidence"]
     assert all(case["max_abs"] > 1e-3 for case in r["details"]["cases"]), r["details"]
+
+
+def test_unguarded_detokenizer_fails_item_10(defects):
+    r = item(defects["detokenizer_unguarded"], 10)
+    if MLX_VLM_VERSION == "0.3.9":  # its naive detokenizer decodes through the tokenizer: nothing to guard
+        assert r["verdict"] == "PASS" and "NaiveStreamingDetokenizer" in r["evidence"], r["evidence"]
+    else:
+        assert r["verdict"] == "FAIL" and "IndexError" in r["evidence"], r["evidence"]
