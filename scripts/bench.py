@@ -224,8 +224,8 @@ class MLXRunner:
     def _vision_call(self, pv, grid):
         mx = self.mx
         if self.impl == "ours":
-            out = self.model.encode_image(pv, grid)
-            mx.eval(list(out.values()))
+            out = self.model.encode_image(pv, grid)  # one array: features, then the deepstack ones
+            mx.eval(out)
             return out
         vt = self.model.vision_tower
         feats, deep = vt(pv.astype(vt.patch_embed.proj.weight.dtype), grid)

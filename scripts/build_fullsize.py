@@ -12,13 +12,14 @@ checkpoint of the issue's dimensions in the MLX-conversion layout (``language_mo
   (``skip_multimodal_module``); config.json carries
   ``quantization {group_size: 64, bits: 4, mode: affine}`` (about 2.0 GB).
 
-Dimensions (the published model's exact sizes are not known here; these are the issue's):
+Dimensions (the issue's; vocabulary and intermediate size are the published ones):
 text hidden 2048, 28 layers (3 sliding : 1 full), 16 heads, 8 KV heads, head_dim 128,
-intermediate 6144, vocab 256000, tied head, logit_scale 0.25, window 4096, MRoPE [24, 20, 20]
+intermediate 6144 (confirmed), vocab 262144 (as published: 255035 tokenizer entries, the rest
+padding rows), tied head, logit_scale 0.25, window 4096, MRoPE [24, 20, 20]
 at theta 50000; vision 27 blocks, 1152 wide, MLP 4304, 16 heads, deepstack [8, 16, 24].
 
 Config, tokenizer and chat template come from compass_compat.tiny (the tiny tokenizer's ids
-are all below the 256000 vocabulary); weights are uniform noise from numpy's PCG64, one stream
+are all below the vocabulary; its tokenizer_config.json gets the published pixel bounds); weights are uniform noise from numpy's PCG64, one stream
 per tensor, rounded with ``tiny.to_bfloat16_bits`` and streamed to disk tensor by tensor (peak
 extra memory is one chunk). A ``stand-in.json`` records what was built; a folder whose record
 matches is reused as is.
@@ -53,7 +54,7 @@ if str(REPO) not in sys.path:
 from compass_compat import tiny  # noqa: E402
 
 VARIANTS = ("bf16", "4bit")
-FORMAT_VERSION = 2  # bump when the weights or config written here change
+FORMAT_VERSION = 3  # bump when the weights or config written here change
 GROUP_SIZE, BITS = 64, 4
 
 TEXT = dict(
@@ -63,7 +64,7 @@ TEXT = dict(
     num_key_value_heads=8,
     head_dim=128,
     intermediate_size=6144,
-    vocab_size=256000,
+    vocab_size=262144,
     sliding_window=4096,
     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 7,
     logit_scale=0.25,
@@ -109,6 +110,9 @@ PREPROCESSOR = dict(
     temporal_patch_size=2,
     merge_size=2,
 )
+
+# tokenizer_config.json's min_pixels / max_pixels, which the processor uses (issue 15).
+PUBLISHED_PIXEL_BOUNDS = (16384, 3868706)
 
 CHUNK = 1 << 23  # elements generated at a time
 
@@ -329,6 +333,9 @@ def ensure_checkpoint(variant: str, root=None, seed: int = 0, progress=_print) -
     dump("generation_config.json", tiny.tiny_generation_config())
     for name in tiny.TOKENIZER_FILES:
         shutil.copyfile(tiny.TOKENIZER_DIR / name, tmp / name)
+    tokenizer_config = tiny.tiny_tokenizer_config()
+    tokenizer_config["min_pixels"], tokenizer_config["max_pixels"] = PUBLISHED_PIXEL_BOUNDS
+    dump("tokenizer_config.json", tokenizer_config)
     size = write_weights(tmp / "model.safetensors", variant, seed, progress)
     (tmp / "stand-in.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     tmp.rename(folder)

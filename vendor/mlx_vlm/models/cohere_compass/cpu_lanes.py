@@ -180,7 +180,7 @@ def linear(layer: nn.Module, x: mx.array, out_dtype: Optional[mx.Dtype] = None) 
     if quantized:
         elements = weight.size * (32 // layer.bits)
         # quantized_matmul casts the piece's scales and biases to float32 first; for the tied
-        # head (256000 rows) that is 66 MB at once. Small pieces, each lane's waiting for its
+        # head (262144 rows) that is 67 MB at once. Small pieces, each lane's waiting for its
         # previous one, keep the casts in flight to a few MB at unchanged speed.
         scales = layer["scales"]
         cast_bytes = 8 * scales.size if x.dtype == mx.float32 and scales.dtype != mx.float32 else 0
