@@ -679,6 +679,17 @@ def markdown(rows, preset_name, preset, meta) -> str:
     return "\n".join(lines)
 
 
+def git_revision() -> dict:
+    """The commit measured, and whether tracked files differed from it (``dirty``)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return dict(commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--untracked-files=no")))
+    except (OSError, subprocess.CalledProcessError):  # not a checkout: say so rather than guess
+        return dict(commit="unknown", dirty=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -712,6 +723,7 @@ def main() -> None:
             preset[key] = value
     t_start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc)
+    revision = git_revision()  # read before measuring: an edit during the run must not be credited
     load_before = os.getloadavg()
     ckpt = {v: build_fullsize.ensure_checkpoint(v, args.dir) for v in build_fullsize.VARIANTS}
     ckpt["torch"] = build_fullsize.ensure_torch_layout(args.dir)
@@ -759,7 +771,7 @@ def main() -> None:
     rows = summarize(results, bandwidth, bpt, preset)
     load_after = os.getloadavg()
     meta = dict(
-        started_utc=started.isoformat(timespec="seconds"), preset=args.preset, counts=preset,
+        started_utc=started.isoformat(timespec="seconds"), preset=args.preset, counts=preset, git=revision,
         seconds_total=time.perf_counter() - t_start, seconds_building=t_built - t_start,
         loadavg_before=load_before, loadavg_after=load_after, machine=platform.platform(),
         cpus=os.cpu_count(), python=sys.version.split()[0], bandwidth=bandwidth, bytes_per_token=bpt,
@@ -780,6 +792,7 @@ def main() -> None:
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
     (out / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, summary=rows, raw=results), indent=2, default=str) + "\n")
     notes = (
+        f"commit {revision['commit']}{' (dirty)' if revision['dirty'] else ''}; "
         f"preset `{args.preset}`: {json.dumps(preset)}; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after; bandwidth {bandwidth['bandwidth_gbs']:.1f} GB/s ({bandwidth['method']}); "
         f"total {meta['seconds_total'] / 60:.1f} min; ours' CPU lanes {json.dumps(meta['cpu_lanes'])} "
