@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
@@ -104,9 +104,9 @@ def _sync_guard():
 class MLXRunner:
     def __init__(self, impl: str, checkpoint: str, inputs: dict, vision_blocks: int):
         import mlx.core as mx
+        from mlx_vlm.utils import load_model
 
         import compass_compat
-        from mlx_vlm.utils import load_model
 
         self.mx, self.impl, self.inputs, self.vision_blocks = mx, impl, inputs, vision_blocks
         tic = time.perf_counter()

@@ -13,10 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import compass_compat  # noqa: F401  (applies the patch)
 import mlx.core as mx
 import numpy as np
 from PIL import Image
+
+import compass_compat  # noqa: F401  (applies the patch)
 
 
 def first_token(model, input_ids, **kwargs) -> float:

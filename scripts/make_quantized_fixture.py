@@ -33,12 +33,13 @@ GROUP_SIZE = 64
 
 
 def main() -> int:
-    import compass_compat
     import mlx.core as mx
     import mlx_vlm
     import transformers
-    from compass_compat.tiny import build_tiny_checkpoint
     from mlx_vlm.convert import convert
+
+    import compass_compat
+    from compass_compat.tiny import build_tiny_checkpoint
 
     info = compass_compat.implementation_info()
     if info.mlx_vlm_version != "0.7.10" or info.implementation != "upstream" or info.forced:

@@ -300,11 +300,11 @@ def prompt_check(model_dir: Path, cases: List[Case], max_tokens: int) -> Dict[st
     dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
     vutils = importlib.import_module("mlx_vlm.utils")
     from mlx_vlm import load
-
-    import compass_compat.cli as cli
     from omlx.api.openai_models import ChatCompletionRequest
     from omlx.api.utils import extract_multimodal_content
     from omlx.engine.vlm import VLMBatchedEngine
+
+    import compass_compat.cli as cli
 
     model, processor = load(str(model_dir))
     engine = VLMBatchedEngine(model_name=str(model_dir))
@@ -592,8 +592,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return subprocess.call([sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)], env=env)
 
     try:
-        import compass_compat  # noqa: F401  (applies the patch in this process: the prompt check loads the model)
         import omlx  # noqa: F401
+
+        import compass_compat  # noqa: F401  (applies the patch in this process: the prompt check loads the model)
     except ImportError as err:
         print(f"omlx_e2e: run this with the omlx environment's python (.venvs/omlx-0.7.0/bin/python): {err}", file=sys.stderr)
         return 2

@@ -19,13 +19,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import compass_compat  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import mlx_vlm  # noqa: E402
-from compass_compat.tiny import build_tiny_checkpoint  # noqa: E402
 from conftest import ReferenceFixtures  # noqa: E402
 from mlx_vlm.utils import load_model  # noqa: E402
 from parity import chunked_prefill, greedy, prefill, teacher_forced_decode  # noqa: E402
+
+import compass_compat  # noqa: E402
+from compass_compat.tiny import build_tiny_checkpoint  # noqa: E402
 
 
 def measure(model, ref, name):

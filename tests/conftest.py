@@ -83,9 +83,9 @@ def split_matmuls_over_cpu_lanes():
     """
     import importlib
 
-    import compass_compat  # noqa: F401  (applies the patch)
-
     from vendored import PACKAGE, is_vendored_file
+
+    import compass_compat  # noqa: F401  (applies the patch)
 
     if not is_vendored_file(importlib.import_module(PACKAGE).__file__ or ""):
         yield

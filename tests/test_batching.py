@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from packaging.version import Version
-
 from parity import image_kwargs
 from vendored import vendored
 

@@ -21,9 +21,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import pytest
-
 import mlx_vlm
+import pytest
 from packaging.version import Version
 
 import compass_compat
@@ -303,7 +302,7 @@ def defects() -> Dict[str, Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_FORCE_VENDORED"}
     proc = subprocess.run([sys.executable, "-c", DEFECTS_DRIVER, json.dumps(PLAN)], capture_output=True,
                           text=True, timeout=TIMEOUT, cwd=REPO, env=env)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("DEFECTS-JSON ")), None)
+    line = next((row for row in proc.stdout.splitlines() if row.startswith("DEFECTS-JSON ")), None)
     assert line, f"defect driver failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads(line[len("DEFECTS-JSON "):])
     for name, report in results.items():

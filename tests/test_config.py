@@ -1,7 +1,6 @@
 """Config parsing: tolerant of unknown keys, strict about values the model cannot run."""
 
 import pytest
-
 from vendored import vendored
 
 cfg = vendored("config")

@@ -6,7 +6,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from parity import prefill
 from vendored import vendored
 

@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-import pytest
-
-import compass_compat
 import mlx_lm
 import mlx_lm.models
-from compass_compat import CompassCompatError, apply_patch, remove_patch
-from compass_compat._patch import MLX_LM_ENV
+import numpy as np
+import pytest
 from parity import greedy, prefill
 from vendored import PACKAGE, is_vendored_file
+
+import compass_compat
+from compass_compat import CompassCompatError, apply_patch, remove_patch
+from compass_compat._patch import MLX_LM_ENV
 
 TEXT_CASES = ["text_short", "text_medium", "text_long"]
 TOL = 1e-4  # as tests/test_text_parity.py

@@ -21,9 +21,9 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
+from vendored import vendored
 
 from compass_compat.tiny import tiny_config
-from vendored import vendored
 
 
 class HostSyncError(AssertionError):

@@ -19,11 +19,11 @@ import warnings
 
 import numpy as np
 import pytest
+from vendored import vendored
 
 from compass_compat import checkpoint_checks
 from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
 from compass_compat.tiny import build_tiny_checkpoint
-from vendored import vendored
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

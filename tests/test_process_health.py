@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
 from vendored import vendored
 
 vendored()
 
 import mlx.core as mx  # noqa: E402
-
 import test_reliability as rel  # noqa: E402  (the failure cases; a module object, nothing re-collected)
+
 from compass_compat.tiny import build_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +197,8 @@ def test_two_checkpoints_in_one_process_generate_independently(tiny_ckpt_origina
     assert a[1] is not b[1] and a[1].tokenizer is not b[1].tokenizer
     assert (a[1].image_processor.max_pixels, b[1].image_processor.max_pixels) == (602112, 65536)
     counts = [
-        int(np.sum(np.asarray(p(text=rel.prompt_for(l, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id))
-        for l, p in ((a, a[1]), (b, b[1]))
+        int(np.sum(np.asarray(p(text=rel.prompt_for(loaded, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id))
+        for loaded, p in ((a, a[1]), (b, b[1]))
     ]
     assert counts == [300, 54]  # 640x480 -> grid 30x40 (max pixels 602112) and 12x18 (max pixels 65536)
 

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_PATH = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "processing_cohere_compass.py"

@@ -34,7 +34,6 @@ import mlx_vlm
 import numpy as np
 import pytest
 from packaging.version import Version
-
 from vendored import vendored
 
 vendored()  # our processor on every pin (0.7.10: the COMPASS_COMPAT_FORCE_VENDORED=1 pass)

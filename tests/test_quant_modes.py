@@ -26,7 +26,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from vendored import vendored
 
 vendored()

@@ -22,7 +22,6 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from parity import prefill
 from vendored import vendored
 

@@ -25,7 +25,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 from PIL import Image
-
 from vendored import vendored
 
 compass = vendored("cohere_compass")

@@ -3,7 +3,6 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from vendored import vendored
 
 cfg = vendored("config")

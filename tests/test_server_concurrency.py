@@ -26,9 +26,10 @@ from packaging.version import Version
 
 pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)")
 
-from compass_compat import cli
 from test_server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
 from vendored import vendored
+
+from compass_compat import cli
 
 vendored()  # upstream 0.7.10's own cohere_compass fails these (measured); the checklist reports upstream
 

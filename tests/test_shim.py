@@ -19,17 +19,16 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import pytest
-
-import compass_compat
-from compass_compat import CompassCompatError, apply_patch, implementation_info, remove_patch
-
 import mlx_vlm
 import mlx_vlm.models
+import pytest
 from mlx_vlm import prompt_utils
 from mlx_vlm.utils import get_model_and_args
 from packaging.version import Version
 from transformers import AutoProcessor
+
+import compass_compat
+from compass_compat import CompassCompatError, apply_patch, implementation_info, remove_patch
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"

@@ -3,7 +3,6 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from parity import chunked_prefill, greedy, prefill, teacher_forced_decode
 from vendored import vendored
 

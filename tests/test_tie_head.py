@@ -22,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-
 from test_config import REFERENCE_HEAD
 from vendored import vendored
 

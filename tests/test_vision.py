@@ -17,10 +17,9 @@ modeling = pytest.importorskip(
     "transformers.models.cohere_compass.modeling_cohere_compass",
     reason="needs transformers with cohere_compass (5.21 or newer)",
 )
-from transformers import CohereCompassVisionConfig  # noqa: E402
-
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+from transformers import CohereCompassVisionConfig  # noqa: E402
 
 TOL = 1e-4
 _VENDOR = Path(__file__).resolve().parents[1] / "vendor" / "mlx_vlm" / "models" / "cohere_compass"

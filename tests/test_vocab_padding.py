@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from packaging.version import Version
 from safetensors.numpy import load_file
+from vendored import vendored
 
 from compass_compat.tiny import build_tiny_checkpoint, save_safetensors, tokenizer_vocab_size
-from vendored import vendored
 
 vendored()  # the guard is our processor's: skip (saying why) where upstream's package is live
 

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from compass_compat import tiny
-
 from vendored import vendored
+
+from compass_compat import tiny
 
 vendored()
 
@@ -103,9 +103,9 @@ def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, 
 
 
 def test_bfloat16_checkpoint_generates_without_nan(tmp_path, reference):
-    from compass_compat.tiny import build_tiny_checkpoint
-
     from parity import greedy, prefill
+
+    from compass_compat.tiny import build_tiny_checkpoint
 
     model = _load(build_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
     for name in ("text_medium", "img_448"):

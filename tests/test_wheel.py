@@ -19,9 +19,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Dict
 
-import pytest
-
 import mlx_vlm
+import pytest
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]

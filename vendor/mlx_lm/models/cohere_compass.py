@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-from mlx_vlm.models.cohere_compass import cohere_compass as _model, config as _config, language as _language
+from mlx_vlm.models.cohere_compass import cohere_compass as _model
+from mlx_vlm.models.cohere_compass import config as _config
+from mlx_vlm.models.cohere_compass import language as _language
 
 # The decoder must be the vendored one next to this file, never an upstream mlx-vlm's
 # package of the same name (mlx-vlm >= 0.6.13 ships one with other classes).

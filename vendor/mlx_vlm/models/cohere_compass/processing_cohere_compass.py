@@ -33,17 +33,16 @@ generate code):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import numbers
 import os
-from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
-
-import hashlib
 import threading
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
