@@ -173,9 +173,7 @@ def _flag_from_env(name: str) -> Tuple[bool, str]:
         return True, f"environment variable {name}={raw}"
     if value in _FALSE:
         return False, ""
-    raise CompassCompatError(
-        f"{name}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)"
-    )
+    raise CompassCompatError(f"{name}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)")
 
 
 def _import_or_none(name: str) -> Any:

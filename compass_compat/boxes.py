@@ -150,7 +150,12 @@ def format_number(value: float) -> str:
 
 
 PALETTE: Tuple[Tuple[int, int, int], ...] = (
-    (255, 48, 48), (48, 224, 48), (64, 160, 255), (255, 214, 0), (255, 64, 255), (0, 232, 232),
+    (255, 48, 48),
+    (48, 224, 48),
+    (64, 160, 255),
+    (255, 214, 0),
+    (255, 64, 255),
+    (0, 232, 232),
 )
 """Stroke colours, one per box in turn; each stroke is edged in black so it shows on any background."""
 

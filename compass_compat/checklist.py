@@ -103,29 +103,55 @@ class Item:
 
 
 ITEMS: Tuple[Item, ...] = (
-    Item(1, "{impl} ships cohere_compass",
-         "without it mlx-vlm cannot load the model at all"),
-    Item(2, "{impl}'s text path matches the reference (prefill logits within 1e-4, 32 greedy ids)",
-         "a wrong window, norm or rope silently degrades every answer"),
-    Item(3, "{impl}'s image path matches the reference (pixels, image tokens, positions, logits, greedy ids; "
-            "image files honoured; no double BOS)",
-         "wrong pixels or MRoPE positions silently degrade every image answer"),
-    Item(4, "{impl} has a public encode_image; its cached replay logits identical to the uncached path (deepstack included)",
-         "hosts that cache image features would silently lose the deepstack residuals"),
-    Item(5, "MODEL_CONFIG registers cohere_compass ({impl})",
-         "an unregistered model type silently drops the images from the prompt"),
-    Item(6, "AutoProcessor builds {impl}'s processor for a checkpoint folder without torch",
-         "hosts without torch could not load the model"),
-    Item(7, "the rotary helpers (and every other mlx-lm / mlx-vlm name) the vendored code imports exist at this pin",
-         "the vendored copy itself would fail to import"),
-    Item(8, "a quantized checkpoint (4-bit, group 64) loads and generates through {impl}",
-         "published MLX conversions are quantized"),
-    Item(9, "both weight layouts (original and MLX) load through {impl}",
-         "CohereLabs checkpoints and MLX conversions use different key names"),
-    Item(10, "a sampled vocabulary-padding id (past the tokenizer) streams as the reference decodes it: "
-             "no text, no error ({impl})",
-         "vocab_size exceeds the tokenizer (262144 vs 255035): one sampled padding id ends the stream "
-         "with an IndexError"),
+    Item(1, "{impl} ships cohere_compass", "without it mlx-vlm cannot load the model at all"),
+    Item(
+        2,
+        "{impl}'s text path matches the reference (prefill logits within 1e-4, 32 greedy ids)",
+        "a wrong window, norm or rope silently degrades every answer",
+    ),
+    Item(
+        3,
+        "{impl}'s image path matches the reference (pixels, image tokens, positions, logits, greedy ids; "
+        "image files honoured; no double BOS)",
+        "wrong pixels or MRoPE positions silently degrade every image answer",
+    ),
+    Item(
+        4,
+        "{impl} has a public encode_image; its cached replay logits identical to the uncached path (deepstack included)",
+        "hosts that cache image features would silently lose the deepstack residuals",
+    ),
+    Item(
+        5,
+        "MODEL_CONFIG registers cohere_compass ({impl})",
+        "an unregistered model type silently drops the images from the prompt",
+    ),
+    Item(
+        6,
+        "AutoProcessor builds {impl}'s processor for a checkpoint folder without torch",
+        "hosts without torch could not load the model",
+    ),
+    Item(
+        7,
+        "the rotary helpers (and every other mlx-lm / mlx-vlm name) the vendored code imports exist at this pin",
+        "the vendored copy itself would fail to import",
+    ),
+    Item(
+        8,
+        "a quantized checkpoint (4-bit, group 64) loads and generates through {impl}",
+        "published MLX conversions are quantized",
+    ),
+    Item(
+        9,
+        "both weight layouts (original and MLX) load through {impl}",
+        "CohereLabs checkpoints and MLX conversions use different key names",
+    ),
+    Item(
+        10,
+        "a sampled vocabulary-padding id (past the tokenizer) streams as the reference decodes it: "
+        "no text, no error ({impl})",
+        "vocab_size exceeds the tokenizer (262144 vs 255035): one sampled padding id ends the stream "
+        "with an IndexError",
+    ),
 )
 ITEM_NUMBERS = tuple(item.number for item in ITEMS)
 
@@ -185,8 +211,7 @@ class Report:
     def table(self, width: int = 110) -> str:
         """The human-readable table: item, verdict, claim and evidence."""
         lines = [
-            f"compass-compat pin-bump checklist: mlx-vlm {self.mlx_vlm_version}, "
-            f"implementation {self.implementation}",
+            f"compass-compat pin-bump checklist: mlx-vlm {self.mlx_vlm_version}, implementation {self.implementation}",
             f"  package: {self.live_package or '-'}",
             f"  fixtures: {self.fixtures or '-'}",
         ]
@@ -205,13 +230,16 @@ class Report:
         lines.append("")
         failed = ", ".join(str(r.item) for r in self.items if r.verdict != PASS)
         if self.implementation == VENDORED:
-            tail = "the vendored package passes every item" if not failed else f"the vendored package fails item(s) {failed}"
+            tail = (
+                "the vendored package passes every item"
+                if not failed
+                else f"the vendored package fails item(s) {failed}"
+            )
         elif self.exit_code == EXIT_PASS:
             tail = "every item passes: the vendored copy can be deleted at this pin"
         else:
             tail = f"item(s) {failed} fail: keep the vendored copy"
-        lines.append(f"{passed}/{len(self.items)} items pass; {tail} (exit {self.exit_code}) "
-                     f"[{self.seconds:.0f}s]")
+        lines.append(f"{passed}/{len(self.items)} items pass; {tail} (exit {self.exit_code}) [{self.seconds:.0f}s]")
         return "\n".join(lines)
 
 
@@ -369,9 +397,14 @@ def select_implementation(kind: str) -> Target:
     except compass_compat.CompassCompatError as exc:
         raise CouldNotRun(f"could not select the {kind} cohere_compass: {exc}") from exc
     if kind == UPSTREAM and not info.upstream_available:
-        return Target(kind, False, None, info.mlx_vlm_version,
-                      f"no upstream cohere_compass (mlx-vlm {info.mlx_vlm_version} ships none; "
-                      f"the first release that does is {FIRST_UPSTREAM_RELEASE})")
+        return Target(
+            kind,
+            False,
+            None,
+            info.mlx_vlm_version,
+            f"no upstream cohere_compass (mlx-vlm {info.mlx_vlm_version} ships none; "
+            f"the first release that does is {FIRST_UPSTREAM_RELEASE})",
+        )
     module = importlib.import_module(PACKAGE)
     package_dir = Path(module.__file__ or "").resolve().parent
     vendored_live = _within(module.__file__, Path(info.vendor_dir))
@@ -482,18 +515,21 @@ class Context:
         def spy(input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
             pixels = args[0] if args else kwargs.get("pixel_values")
             grid = kwargs.get("image_grid_thw")
-            fed.append({
-                "input_ids": np.array(input_ids),
-                "pixel_values": None if pixels is None else np.array(pixels),
-                "image_grid_thw": None if grid is None else np.array(grid),
-            })
+            fed.append(
+                {
+                    "input_ids": np.array(input_ids),
+                    "pixel_values": None if pixels is None else np.array(pixels),
+                    "image_grid_thw": None if grid is None else np.array(grid),
+                }
+            )
             return original(input_ids, *args, **kwargs)
 
         model.get_input_embeddings = spy
         seen: Dict[int, int] = {}
         try:
-            for result in stream_generate(model, processor, prompt, image=images or None,
-                                          max_tokens=n, temperature=0.0):
+            for result in stream_generate(
+                model, processor, prompt, image=images or None, max_tokens=n, temperature=0.0
+            ):
                 # mlx-vlm 0.3.x yields the last token twice (again after finalizing).
                 seen.setdefault(int(result.generation_tokens), int(result.token))
         finally:
@@ -517,8 +553,9 @@ class Context:
 # --------------------------------------------------------------------- items
 
 
-def _result(ctx: Context, item: Item, verdict: str, evidence: str,
-            details: Optional[Dict[str, Any]] = None) -> ItemResult:
+def _result(
+    ctx: Context, item: Item, verdict: str, evidence: str, details: Optional[Dict[str, Any]] = None
+) -> ItemResult:
     return ItemResult(item.number, item.title_for(ctx.target.kind), verdict, evidence, details or {})
 
 
@@ -533,8 +570,7 @@ def check_ships(ctx: Context, item: Item) -> ItemResult:
     if not ctx.target.available:
         return _result(ctx, item, FAIL, ctx.target.why_unavailable)
     where = "mlx-vlm's own" if ctx.target.kind == UPSTREAM else "the vendored (forced)"
-    return _result(ctx, item, PASS,
-                   f"mlx-vlm {ctx.target.mlx_vlm_version}: {where} package {ctx.target.package_dir}")
+    return _result(ctx, item, PASS, f"mlx-vlm {ctx.target.mlx_vlm_version}: {where} package {ctx.target.package_dir}")
 
 
 def _case_parity(ctx: Context, name: str, model: Any, processor: Any) -> Dict[str, Any]:
@@ -569,15 +605,19 @@ def _case_parity(ctx: Context, name: str, model: Any, processor: Any) -> Dict[st
         else:
             got = np.array(positions).astype(np.int64)
             row["positions_equal"] = got.shape == case["position_ids"].shape and bool(
-                np.array_equal(got, case["position_ids"]))
+                np.array_equal(got, case["position_ids"])
+            )
             deltas = getattr(emb, "rope_deltas", None)
-            row["rope_delta_equal"] = deltas is not None and np.array(deltas).reshape(-1).tolist() == \
-                case["rope_deltas"].reshape(-1).tolist()
+            row["rope_delta_equal"] = (
+                deltas is not None and np.array(deltas).reshape(-1).tolist() == case["rope_deltas"].reshape(-1).tolist()
+            )
             if not row["positions_equal"]:
                 problems.append("position ids differ")
             elif not row["rope_delta_equal"]:
-                problems.append(f"rope delta {np.array(deltas).reshape(-1).tolist() if deltas is not None else None}"
-                                f" vs {case['rope_deltas'].reshape(-1).tolist()}")
+                problems.append(
+                    f"rope delta {np.array(deltas).reshape(-1).tolist() if deltas is not None else None}"
+                    f" vs {case['rope_deltas'].reshape(-1).tolist()}"
+                )
 
     # The whole prompt path, as a host runs it.
     try:
@@ -609,8 +649,10 @@ def _case_parity(ctx: Context, name: str, model: Any, processor: Any) -> Dict[st
         got_px = fed["pixel_values"]
         if got_px is None or got_px.shape != case["pixel_values"].shape:
             row["pixels_max_abs"] = None
-            problems.append(f"pixel_values shape {None if got_px is None else list(got_px.shape)} "
-                            f"vs {list(case['pixel_values'].shape)}")
+            problems.append(
+                f"pixel_values shape {None if got_px is None else list(got_px.shape)} "
+                f"vs {list(case['pixel_values'].shape)}"
+            )
         else:
             row["pixels_max_abs"] = _max_abs(got_px, case["pixel_values"])
             if not row["pixels_max_abs"] <= PIXEL_TOL:
@@ -660,8 +702,9 @@ def check_text(ctx: Context, item: Item) -> ItemResult:
     model, processor = ctx.load(ctx.checkpoint("original"))
     rows = [_case_parity(ctx, name, model, processor) for name in ctx.reference.names("text")]
     verdict = PASS if not any(r["problems"] for r in rows) else FAIL
-    return _result(ctx, item, verdict,
-                   f"{len(rows)} text cases; " + _summarize_cases(rows, image=False), {"cases": rows})
+    return _result(
+        ctx, item, verdict, f"{len(rows)} text cases; " + _summarize_cases(rows, image=False), {"cases": rows}
+    )
 
 
 def _solid_image(path: Path, size: Tuple[int, int], colour: Tuple[int, int, int]) -> Path:
@@ -698,8 +741,10 @@ def _preprocessor_probe(ctx: Context) -> Dict[str, Any]:
     ]
     meta = ctx.reference.cases[ctx.reference.names("image")[0]]
     template = meta["prompt"]
-    out: Dict[str, Any] = {"problems": [], "file": {"min_pixels": lo, "max_pixels": hi,
-                                                    "image_mean": conf["image_mean"], "image_std": conf["image_std"]}}
+    out: Dict[str, Any] = {
+        "problems": [],
+        "file": {"min_pixels": lo, "max_pixels": hi, "image_mean": conf["image_mean"], "image_std": conf["image_std"]},
+    }
     for label, image, (h, w) in probes:
         th, tw = smart_resize(h, w, factor, lo, hi)
         want_grid = [1, th // conf["patch_size"], tw // conf["patch_size"]]
@@ -716,15 +761,17 @@ def _preprocessor_probe(ctx: Context) -> Dict[str, Any]:
             mean = np.asarray(conf["image_mean"], np.float64)
             std = np.asarray(conf["image_std"], np.float64)
             want = (np.asarray(colour, np.float64) / 255.0 - mean) / std
-            px = np.asarray(fed["pixel_values"], np.float64).reshape(-1, 3, conf["temporal_patch_size"],
-                                                                      conf["patch_size"] ** 2)
+            px = np.asarray(fed["pixel_values"], np.float64).reshape(
+                -1, 3, conf["temporal_patch_size"], conf["patch_size"] ** 2
+            )
             got = [float(px[:, c].mean()) for c in range(3)]
             err = max(float(np.max(np.abs(px[:, c] - want[c]))) for c in range(3))
             out[label].update(channel_values=got, expected=want.tolist(), max_abs=err)
             if not err <= PIXEL_TOL:
                 out["problems"].append(
                     f"{label}: normalised channels {[round(v, 4) for v in got]}, the file's mean/std give "
-                    f"{[round(v, 4) for v in want.tolist()]}")
+                    f"{[round(v, 4) for v in want.tolist()]}"
+                )
     return out
 
 
@@ -741,8 +788,10 @@ def check_image(ctx: Context, item: Item) -> ItemResult:
     if probe["problems"]:
         evidence += "\nimage files not honoured: " + "; ".join(probe["problems"])
     else:
-        evidence += ("\nimage files honoured (tokenizer_config.json min/max pixels, preprocessor_config.json "
-                     "mean/std; exact arithmetic)")
+        evidence += (
+            "\nimage files honoured (tokenizer_config.json min/max pixels, preprocessor_config.json "
+            "mean/std; exact arithmetic)"
+        )
     return _result(ctx, item, PASS if ok else FAIL, evidence, {"cases": rows, "preprocessor_config": probe})
 
 
@@ -789,9 +838,11 @@ def check_cached_replay(ctx: Context, item: Item) -> ItemResult:
     if diffs:
         parts.append(f"max|replay - uncached logits| {_g(max(diffs))} (must be exactly 0)")
     shapes = {
-        "none" if r["deepstack_shape"] is None
+        "none"
+        if r["deepstack_shape"] is None
         else "[" + ", ".join([str(r["deepstack_shape"][0]), "N"] + [str(d) for d in r["deepstack_shape"][2:]]) + "]"
-        for r in rows if "deepstack_shape" in r
+        for r in rows
+        if "deepstack_shape" in r
     }
     arrays = {f"[N, {r['features_shape'][-1]}]" for r in rows if "features_shape" in r}
     if arrays:
@@ -808,15 +859,18 @@ def _replay_probe_without_encode_image(ctx: Context, model: Any, name: str) -> s
     the way a host would have to, and say how far the logits move (informational)."""
     ids, pixels, extra = ctx.model_inputs(name)
     try:
-        tower = model.vision_tower(pixels.astype(model.vision_tower.patch_embed.proj.weight.dtype),
-                                   extra["image_grid_thw"])
+        tower = model.vision_tower(
+            pixels.astype(model.vision_tower.patch_embed.proj.weight.dtype), extra["image_grid_thw"]
+        )
         features = tower[0] if isinstance(tower, (tuple, list)) else tower
         uncached = ctx.prefill_logits(model, ids, pixels, extra)
         replay = ctx.prefill_logits(model, ids, pixels, dict(extra, cached_image_features=features))
         moved = _max_abs(uncached, replay)
-        return (f"probe ({name}): replaying the vision tower's features via get_input_embeddings("
-                f"cached_image_features=...) moves the logits by max {_g(moved)}"
-                + (" (not a faithful replay)" if moved > 0 else ""))
+        return (
+            f"probe ({name}): replaying the vision tower's features via get_input_embeddings("
+            f"cached_image_features=...) moves the logits by max {_g(moved)}"
+            + (" (not a faithful replay)" if moved > 0 else "")
+        )
     except Exception as exc:  # informational probe: its error is reported as such
         return f"probe ({name}): cached replay through get_input_embeddings failed: {_error_text(exc)}"
 
@@ -839,12 +893,12 @@ class _WithoutTorch(importlib.machinery.PathFinder):
 sys.meta_path[:] = [_WithoutTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
 '''
 
-PROBE_SHIM = '''
+PROBE_SHIM = """
 import compass_compat
 compass_compat.apply_patch(force_vendored=True)
-'''
+"""
 
-PROBE_MODEL_CONFIG = '''
+PROBE_MODEL_CONFIG = """
 import json, sys
 import mlx_vlm.prompt_utils as prompt_utils
 value = prompt_utils.MODEL_CONFIG.get("cohere_compass")
@@ -854,9 +908,9 @@ print("CHECKLIST-JSON " + json.dumps({
     "entries": len(prompt_utils.MODEL_CONFIG),
     "compass_compat_imported": "compass_compat" in sys.modules,
 }))
-'''
+"""
 
-PROBE_PROCESSOR = '''
+PROBE_PROCESSOR = """
 import json, os, sys
 folder, image, prompt = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {}
@@ -885,7 +939,7 @@ except Exception as exc:
 out["torch_imported"] = any(m.partition(".")[0] in ("torch", "torchvision") for m in sys.modules)
 out["compass_compat_imported"] = "compass_compat" in sys.modules
 print("CHECKLIST-JSON " + json.dumps(out))
-'''
+"""
 
 
 def _run_probe(code: str, args: Sequence[str] = (), force: bool = False) -> Dict[str, Any]:
@@ -895,11 +949,17 @@ def _run_probe(code: str, args: Sequence[str] = (), force: bool = False) -> Dict
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPASS_COMPAT_")}
     if force:
         env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT, cwd="/", env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        cwd="/",
+        env=env,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("CHECKLIST-JSON "):
-            return json.loads(line[len("CHECKLIST-JSON "):])
+            return json.loads(line[len("CHECKLIST-JSON ") :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"probe exited {proc.returncode}: " + " | ".join(tail)}
 
@@ -915,8 +975,9 @@ def check_model_config(ctx: Context, item: Item) -> ItemResult:
         return _result(ctx, item, FAIL, "the probe imported compass_compat; not pristine", out)
     if out["registered"]:
         return _result(ctx, item, PASS, f"MODEL_CONFIG['cohere_compass'] = {out['format']} ({source})", out)
-    return _result(ctx, item, FAIL,
-                   f"MODEL_CONFIG has no 'cohere_compass' among its {out['entries']} entries ({source})", out)
+    return _result(
+        ctx, item, FAIL, f"MODEL_CONFIG has no 'cohere_compass' among its {out['entries']} entries ({source})", out
+    )
 
 
 def check_processor_without_torch(ctx: Context, item: Item) -> ItemResult:
@@ -927,16 +988,21 @@ def check_processor_without_torch(ctx: Context, item: Item) -> ItemResult:
     vendored = ctx.target.kind == VENDORED
     name = ctx.reference.names("image")[0]
     code = PROBE_HIDE_TORCH + (PROBE_SHIM if vendored else "") + PROBE_PROCESSOR
-    out = _run_probe(code, [str(ctx.checkpoint("original")), ctx.reference.image_paths(name)[0],
-                            ctx.reference.cases[name]["prompt"]], force=vendored)
+    out = _run_probe(
+        code,
+        [str(ctx.checkpoint("original")), ctx.reference.image_paths(name)[0], ctx.reference.cases[name]["prompt"]],
+        force=vendored,
+    )
     problems = []
     if "error" in out:
         problems.append(out["error"])
     package_dir = ctx.target.package_dir
     for key in ("load_processor", "auto_processor"):
         if key in out and not _within(out.get(key + "_file"), package_dir):
-            problems.append(f"{key.replace('_', ' ')} built {out[key]} ({out.get(key + '_file')}), "
-                            f"not the {ctx.target.kind} processor")
+            problems.append(
+                f"{key.replace('_', ' ')} built {out[key]} ({out.get(key + '_file')}), "
+                f"not the {ctx.target.kind} processor"
+            )
     if out.get("torch_imported"):
         problems.append("torch was imported")
     if out.get("compass_compat_imported") and not vendored:
@@ -947,10 +1013,15 @@ def check_processor_without_torch(ctx: Context, item: Item) -> ItemResult:
     if not vendored:
         bare = " ".join(str(out.get("bare_auto_processor")).split()).split(". ")[0]
         note = f"\n(info: AutoProcessor called before mlx-vlm imports the package gives {bare})"
-    return _result(ctx, item, PASS,
-                   f"torch hidden: mlx_vlm.load, and AutoProcessor after the package import, give "
-                   f"{out['auto_processor']}; {name} -> pixel_values {out.get('pixel_values_shape')}; "
-                   f"torch never imported" + note, out)
+    return _result(
+        ctx,
+        item,
+        PASS,
+        f"torch hidden: mlx_vlm.load, and AutoProcessor after the package import, give "
+        f"{out['auto_processor']}; {name} -> pixel_values {out.get('pixel_values_shape')}; "
+        f"torch never imported" + note,
+        out,
+    )
 
 
 def _vendored_sources() -> List[Tuple[str, Path]]:
@@ -1008,8 +1079,9 @@ def _import_side_by_side() -> ModuleType:
     if SIDE_BY_SIDE in sys.modules:
         return sys.modules[SIDE_BY_SIDE]
     pkg_dir = vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE
-    spec = importlib.util.spec_from_file_location(SIDE_BY_SIDE, pkg_dir / "__init__.py",
-                                                  submodule_search_locations=[str(pkg_dir)])
+    spec = importlib.util.spec_from_file_location(
+        SIDE_BY_SIDE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
+    )
     if spec is None or spec.loader is None:
         raise ImportError(f"no import spec for {pkg_dir}")
     module = importlib.util.module_from_spec(spec)
@@ -1074,8 +1146,9 @@ def check_vendored_imports(ctx: Context, item: Item) -> ItemResult:
         missing.append(f"importing the vendored package: {_error_text(exc, 200)}")
         side = ""
     rotary = [r for r in sorted(set(resolved)) if "rope" in r]
-    evidence = (f"{len(set(resolved))} names resolve ({', '.join(rotary) or 'no rotary helper imported'}; "
-                f"{rope}); {side}")
+    evidence = (
+        f"{len(set(resolved))} names resolve ({', '.join(rotary) or 'no rotary helper imported'}; {rope}); {side}"
+    )
     if missing:
         return _result(ctx, item, FAIL, "missing: " + "; ".join(missing), details)
     return _result(ctx, item, PASS, evidence, details)
@@ -1110,8 +1183,11 @@ def _quantize_checkpoint(ctx: Context) -> Tuple[Path, Path, int]:
     twin = dict(weights)
     for prefix in prefixes:
         twin[prefix + ".weight"] = mx.dequantize(
-            twin[prefix + ".weight"], twin.pop(prefix + ".scales"), twin.pop(prefix + ".biases"),
-            group_size=QUANT_GROUP, bits=QUANT_BITS,
+            twin[prefix + ".weight"],
+            twin.pop(prefix + ".scales"),
+            twin.pop(prefix + ".biases"),
+            group_size=QUANT_GROUP,
+            bits=QUANT_BITS,
         )
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     folders = (ctx.workdir / "quantized", ctx.workdir / "dequantized_twin")
@@ -1152,23 +1228,30 @@ def check_quantized(ctx: Context, item: Item) -> ItemResult:
             logits = ctx.prefill_logits(model, ids, pixels, extra)
             row["twin_max_abs"] = _max_abs(logits, ctx.prefill_logits(twin, ids, pixels, extra))
             row["reference_top1_agreement"] = float(np.mean(logits.argmax(-1) == case["prefill_logits"].argmax(-1)))
-            run = ctx.prompt_path(model, processor, ctx.reference.cases[name]["prompt"],
-                                  ctx.reference.image_paths(name), N_GREEDY)
+            run = ctx.prompt_path(
+                model, processor, ctx.reference.cases[name]["prompt"], ctx.reference.image_paths(name), N_GREEDY
+            )
             row["generated"] = len(run["tokens"])
             if not (len(run["tokens"]) == N_GREEDY or (run["tokens"] and run["tokens"][-1] == ctx.eos_id())):
                 problems.append(f"{name}: stream_generate gave {len(run['tokens'])} tokens")
             if not row["twin_max_abs"] <= QUANT_TWIN_TOL:
-                problems.append(f"{name}: quantized logits differ from the dequantized twin's by "
-                                f"{_g(row['twin_max_abs'])} (tol {_g(QUANT_TWIN_TOL)})")
-            parts.append(f"{name}: max|quantized - dequantized twin| {_g(row['twin_max_abs'])}, "
-                         f"{row['generated']} tokens generated (top-1 = float reference at "
-                         f"{row['reference_top1_agreement']:.0%} of positions)")
+                problems.append(
+                    f"{name}: quantized logits differ from the dequantized twin's by "
+                    f"{_g(row['twin_max_abs'])} (tol {_g(QUANT_TWIN_TOL)})"
+                )
+            parts.append(
+                f"{name}: max|quantized - dequantized twin| {_g(row['twin_max_abs'])}, "
+                f"{row['generated']} tokens generated (top-1 = float reference at "
+                f"{row['reference_top1_agreement']:.0%} of positions)"
+            )
         except Exception as exc:  # the error is the evidence
             row["error"] = _error_text(exc)
             problems.append(f"{name}: {row['error']}")
         details["cases"][name] = row
-    head = (f"4-bit group-64 affine, quantized with mlx.nn.quantize: {quantized}/{written} quantized "
-            f"modules reloaded; " + "; ".join(parts))
+    head = (
+        f"4-bit group-64 affine, quantized with mlx.nn.quantize: {quantized}/{written} quantized "
+        f"modules reloaded; " + "; ".join(parts)
+    )
     if problems:
         return _result(ctx, item, FAIL, head + "\nproblems: " + "; ".join(problems), details)
     return _result(ctx, item, PASS, head + f" (tol {_g(QUANT_TWIN_TOL)})", details)
@@ -1188,8 +1271,9 @@ def check_layouts(ctx: Context, item: Item) -> ItemResult:
             diffs = {}
             for name in cases:
                 ids, pixels, extra = ctx.model_inputs(name)
-                diffs[name] = _max_abs(ctx.prefill_logits(model, ids, pixels, extra),
-                                       ctx.reference(name)["prefill_logits"])
+                diffs[name] = _max_abs(
+                    ctx.prefill_logits(model, ids, pixels, extra), ctx.reference(name)["prefill_logits"]
+                )
             details[layout] = diffs
             worst = max(diffs.values())
             parts.append(f"{layout}: max|dlogits| {_g(worst)} on {', '.join(cases)}")
@@ -1200,8 +1284,9 @@ def check_layouts(ctx: Context, item: Item) -> ItemResult:
             problems.append(f"{layout}: {_error_text(exc)}")
     evidence = "; ".join(parts)
     if problems:
-        return _result(ctx, item, FAIL,
-                       (evidence + "\n" if evidence else "") + "problems: " + "; ".join(problems), details)
+        return _result(
+            ctx, item, FAIL, (evidence + "\n" if evidence else "") + "problems: " + "; ".join(problems), details
+        )
     return _result(ctx, item, PASS, evidence + f" (tol {_g(LOGIT_TOL)})", details)
 
 
@@ -1235,16 +1320,30 @@ def check_padding_ids(ctx: Context, item: Item) -> ItemResult:
         try:
             got = stream(padded)
         except Exception as exc:  # the error is the evidence
-            return _result(ctx, item, FAIL, f"streaming ids {padded}: {_error_text(exc)}",
-                           {"ids": padded, "error": _error_text(exc)})
+            return _result(
+                ctx,
+                item,
+                FAIL,
+                f"streaming ids {padded}: {_error_text(exc)}",
+                {"ids": padded, "error": _error_text(exc)},
+            )
     except CouldNotRun:
         raise
     except Exception as exc:  # loading or tokenizing failed: the error is the evidence
         return _result(ctx, item, FAIL, _error_text(exc), {"error": _error_text(exc)})
-    details = {"ids": padded, "tokenizer_size": size, "vocab_size": vocab, "text": got, "expected": want,
-               "reference_decode": reference, "detokenizer": type(processor.detokenizer).__name__}
-    evidence = (f"{type(processor.detokenizer).__name__} on ids {padded} (padding ids {size} and {vocab - 1}; "
-                f"tokenizer {size}, vocab_size {vocab}): {got!r}")
+    details = {
+        "ids": padded,
+        "tokenizer_size": size,
+        "vocab_size": vocab,
+        "text": got,
+        "expected": want,
+        "reference_decode": reference,
+        "detokenizer": type(processor.detokenizer).__name__,
+    }
+    evidence = (
+        f"{type(processor.detokenizer).__name__} on ids {padded} (padding ids {size} and {vocab - 1}; "
+        f"tokenizer {size}, vocab_size {vocab}): {got!r}"
+    )
     if got != want:
         return _result(ctx, item, FAIL, evidence + f", without the padding ids {want!r}", details)
     return _result(ctx, item, PASS, evidence + ", the same as without them (reference decode: nothing)", details)
@@ -1342,16 +1441,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m compass_compat.checklist",
         description="Check, at the installed mlx-vlm pin, every item that must hold before the "
-                    "vendored cohere_compass can be deleted (CHECKLIST.md). Exit 0: all pass; "
-                    "1: some fail; 2: could not run.",
+        "vendored cohere_compass can be deleted (CHECKLIST.md). Exit 0: all pass; "
+        "1: some fail; 2: could not run.",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--implementation", choices=IMPLEMENTATIONS, default=UPSTREAM,
-                        help="check mlx-vlm's own package (default) or the vendored one")
-    parser.add_argument("--items", type=_parse_items, default=None,
-                        help="comma-separated item numbers to run (default: all)")
-    parser.add_argument("--fixtures", type=Path, default=None,
-                        help="directory with reference/ and images/ (default: <repo>/tests/fixtures)")
+    parser.add_argument(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        default=UPSTREAM,
+        help="check mlx-vlm's own package (default) or the vendored one",
+    )
+    parser.add_argument(
+        "--items", type=_parse_items, default=None, help="comma-separated item numbers to run (default: all)"
+    )
+    parser.add_argument(
+        "--fixtures",
+        type=Path,
+        default=None,
+        help="directory with reference/ and images/ (default: <repo>/tests/fixtures)",
+    )
     args = parser.parse_args(argv)
     try:
         report = run_checklist(args.implementation, args.items, args.fixtures)

@@ -66,18 +66,57 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Config keys of text_config / vision_config that set tensor shapes, with the reference's
 # defaults (transformers' CohereCompassTextConfig / CohereCompassVisionConfig).
 SHAPE_KEYS = {
-    "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
-    "vision_config": ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
-                      "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
-                      "num_position_embeddings", "deepstack_visual_indexes"),
+    "text_config": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "attention_bias",
+    ),
+    "vision_config": (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "in_channels",
+        "patch_size",
+        "temporal_patch_size",
+        "spatial_merge_size",
+        "out_hidden_size",
+        "num_position_embeddings",
+        "deepstack_visual_indexes",
+    ),
 }
 _DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
-    "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
 }
-_PREPROCESSOR_INTS = ("patch_size", "merge_size", "spatial_merge_size", "temporal_patch_size",
-                      "min_pixels", "max_pixels")
+_PREPROCESSOR_INTS = (
+    "patch_size",
+    "merge_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "min_pixels",
+    "max_pixels",
+)
 
 
 class CheckpointError(ValueError):
@@ -126,8 +165,9 @@ def validate_checkpoint(path: Any, *, require_weights: bool = True) -> Checkpoin
     """
     folder = Path(os.fspath(path))
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a local checkpoint folder; download the checkpoint first",
-                              folder=folder)
+        raise CheckpointError(
+            f"{folder} is not a local checkpoint folder; download the checkpoint first", folder=folder
+        )
     roots = _allowed_roots(folder)
     _check_entries(folder, roots)
     notes: List[str] = []
@@ -145,10 +185,14 @@ def validate_checkpoint(path: Any, *, require_weights: bool = True) -> Checkpoin
                 f"{folder} holds only pickle weights ({', '.join(ignored)}); compass-compat reads "
                 "safetensors only and never unpickles: convert them to safetensors with a tool you "
                 "trust, in a separate process, and load the converted folder",
-                folder=folder, file=ignored[0])
+                folder=folder,
+                file=ignored[0],
+            )
         if require_weights:
-            raise CheckpointError(f"{folder} has no *.safetensors weights; the download is incomplete "
-                                  "or this is not a model folder", folder=folder)
+            raise CheckpointError(
+                f"{folder} has no *.safetensors weights; the download is incomplete or this is not a model folder",
+                folder=folder,
+            )
     else:
         _check_sub_configs(folder, config)
         headers = {name: _read_header(folder, name) for name in weight_files}
@@ -188,17 +232,24 @@ def _check_reference(folder: Path, name: str, roots: Tuple[str, ...], what: str)
         raise CheckpointError(
             f"{what} {name!r} in {folder} points outside the checkpoint folder; compass-compat "
             "reads only files inside it: put the file in the folder and name it relative to it",
-            folder=folder, file=name)
+            folder=folder,
+            file=name,
+        )
     path = folder / name
     target = os.path.realpath(path)
     if not _inside(target, roots):
         raise CheckpointError(
             f"{what} {name!r} in {folder} is a link to {target}, outside the checkpoint folder; "
             "compass-compat reads only files inside it: copy the file into the folder",
-            folder=folder, file=name)
+            folder=folder,
+            file=name,
+        )
     if path.is_symlink() and not os.path.exists(target):
-        raise CheckpointError(f"{what} {name!r} in {folder} is a broken link (to {target}); "
-                              "re-download the checkpoint", folder=folder, file=name)
+        raise CheckpointError(
+            f"{what} {name!r} in {folder} is a broken link (to {target}); re-download the checkpoint",
+            folder=folder,
+            file=name,
+        )
     return path
 
 
@@ -208,7 +259,10 @@ def _read_json(folder: Path, name: str, *, required: bool) -> Optional[Dict[str,
         if required:
             raise CheckpointError(
                 f"{folder} has no {name}; a checkpoint folder needs the {name} published with "
-                "its weights (re-download the checkpoint)", folder=folder, file=name)
+                "its weights (re-download the checkpoint)",
+                folder=folder,
+                file=name,
+            )
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -216,13 +270,23 @@ def _read_json(folder: Path, name: str, *, required: bool) -> Optional[Dict[str,
     except json.JSONDecodeError as err:
         raise CheckpointError(
             f"{name} in {folder} is not valid JSON ({err.msg} at line {err.lineno}, column "
-            f"{err.colno}); restore the file from the published checkpoint", folder=folder, file=name) from err
+            f"{err.colno}); restore the file from the published checkpoint",
+            folder=folder,
+            file=name,
+        ) from err
     except UnicodeDecodeError as err:
-        raise CheckpointError(f"{name} in {folder} is not UTF-8 text ({err}); restore the file from the "
-                              "published checkpoint", folder=folder, file=name) from err
+        raise CheckpointError(
+            f"{name} in {folder} is not UTF-8 text ({err}); restore the file from the published checkpoint",
+            folder=folder,
+            file=name,
+        ) from err
     if not isinstance(data, dict):
-        raise CheckpointError(f"{name} in {folder} must hold a JSON object, not {type(data).__name__}; "
-                              "restore the file from the published checkpoint", folder=folder, file=name)
+        raise CheckpointError(
+            f"{name} in {folder} must hold a JSON object, not {type(data).__name__}; "
+            "restore the file from the published checkpoint",
+            folder=folder,
+            file=name,
+        )
     return data
 
 
@@ -235,7 +299,10 @@ def _check_model_type(folder: Path, config: Dict[str, Any]) -> None:
         raise CheckpointError(
             f"config.json in {folder} has model_type {model_type!r}, not {MODEL_TYPE!r}: this is not a "
             "cohere_compass (North-Micro-Vision) checkpoint; load it without compass-compat's checks, "
-            "or point at a cohere_compass checkpoint", folder=folder, file="config.json")
+            "or point at a cohere_compass checkpoint",
+            folder=folder,
+            file="config.json",
+        )
 
 
 def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
@@ -245,7 +312,10 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
         raise CheckpointError(
             f"config.json in {folder} declares model_file={config['model_file']!r}: mlx-vlm >= 0.7 would "
             "execute that file. compass-compat never runs code from a checkpoint; remove the "
-            "model_file key (cohere_compass needs no checkpoint code)", folder=folder, file="config.json")
+            "model_file key (cohere_compass needs no checkpoint code)",
+            folder=folder,
+            file="config.json",
+        )
     if "auto_map" in config:
         return ["config.json's auto_map is ignored: no checkpoint code is run (trust_remote_code is never honoured)"]
     return []
@@ -273,16 +343,22 @@ def _config_module():
 def _model_config(folder: Path, config: Dict[str, Any]):
     for key in ("text_config", "vision_config"):
         if config.get(key) is not None and not isinstance(config[key], dict):
-            raise CheckpointError(f"config.json in {folder}: {key} must be a JSON object, not "
-                                  f"{type(config[key]).__name__}; restore it from the published checkpoint",
-                                  folder=folder, file="config.json")
+            raise CheckpointError(
+                f"config.json in {folder}: {key} must be a JSON object, not "
+                f"{type(config[key]).__name__}; restore it from the published checkpoint",
+                folder=folder,
+                file="config.json",
+            )
     model_config_cls = _config_module().ModelConfig
     try:
         return model_config_cls.from_dict(config)
     except (ValueError, TypeError, KeyError) as err:
-        raise CheckpointError(f"config.json in {folder}: {err}. Fix that value (the published "
-                              "checkpoint's config.json has the right one)." + _defaulted_hint(config),
-                              folder=folder, file="config.json") from err
+        raise CheckpointError(
+            f"config.json in {folder}: {err}. Fix that value (the published "
+            "checkpoint's config.json has the right one)." + _defaulted_hint(config),
+            folder=folder,
+            file="config.json",
+        ) from err
 
 
 def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
@@ -291,7 +367,10 @@ def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
             raise CheckpointError(
                 f"config.json in {folder} has no {key}: the reference's defaults for it describe a "
                 f"different model than these weights. Copy the {key} block of the checkpoint's "
-                "published config.json", folder=folder, file="config.json")
+                "published config.json",
+                folder=folder,
+                file="config.json",
+            )
     text = config["text_config"]
     if text.get("rope_parameters") is None and text.get("rope_theta") is None:
         # transformers' model raises KeyError without them; the MLX model would silently
@@ -299,9 +378,12 @@ def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
         raise CheckpointError(
             f"config.json in {folder}: text_config has no rope_parameters, so sliding layers would get "
             "no rotary embedding (transformers refuses such a config). Copy rope_parameters from the "
-            "published config.json, e.g. {\"sliding_attention\": {\"rope_type\": \"default\", "
-            "\"rope_theta\": 50000, \"mrope_section\": [24, 20, 20], \"mrope_interleaved\": true}, "
-            "\"full_attention\": null}", folder=folder, file="config.json")
+            'published config.json, e.g. {"sliding_attention": {"rope_type": "default", '
+            '"rope_theta": 50000, "mrope_section": [24, 20, 20], "mrope_interleaved": true}, '
+            '"full_attention": null}',
+            folder=folder,
+            file="config.json",
+        )
 
 
 # ------------------------------------------------------------------ preprocessor
@@ -325,8 +407,9 @@ def processing_module():
     return module
 
 
-def pixel_bounds(folder: Any, load_kwargs: Optional[Dict[str, Any]] = None,
-                 call_kwargs: Optional[Dict[str, Any]] = None):
+def pixel_bounds(
+    folder: Any, load_kwargs: Optional[Dict[str, Any]] = None, call_kwargs: Optional[Dict[str, Any]] = None
+):
     """The min / max pixels a cohere_compass processor built from ``folder`` resizes within,
     with their sources (``PixelBounds``; the precedence table is in the vendored processor's
     "pixel bounds" section). Values are not validated here: :func:`validate_checkpoint` does."""
@@ -337,15 +420,23 @@ def _check_image_settings(folder: Path) -> None:
     module = processing_module()
     settings, source = module.image_processor_settings(
         _read_json(folder, "processor_config.json", required=False),
-        _read_json(folder, "preprocessor_config.json", required=False))
+        _read_json(folder, "preprocessor_config.json", required=False),
+    )
     file = source.split()[0] if source else None
     if not isinstance(settings, dict):
-        raise CheckpointError(f"{source} in {folder} must be a JSON object, not {type(settings).__name__}; "
-                              "restore it from the published checkpoint", folder=folder, file=file)
+        raise CheckpointError(
+            f"{source} in {folder} must be a JSON object, not {type(settings).__name__}; "
+            "restore it from the published checkpoint",
+            folder=folder,
+            file=file,
+        )
     size = settings.get("size")
     if size is not None and not isinstance(size, dict):
-        raise CheckpointError(f"{source} in {folder}: size must be an object with "
-                              "shortest_edge / longest_edge (min / max pixels)", folder=folder, file=file)
+        raise CheckpointError(
+            f"{source} in {folder}: size must be an object with shortest_edge / longest_edge (min / max pixels)",
+            folder=folder,
+            file=file,
+        )
     values = {f"size.{k}": v for k, v in (size or {}).items() if k in ("shortest_edge", "longest_edge")}
     values.update({k: settings[k] for k in _PREPROCESSOR_INTS if settings.get(k) is not None})
     for key, value in values.items():
@@ -354,26 +445,38 @@ def _check_image_settings(folder: Path) -> None:
                 f"{source} in {folder}: {key} must be a positive integer, got {value!r}; "
                 "restore it from the published checkpoint (size.shortest_edge 65536 = min pixels, "
                 "size.longest_edge 16777216 = max pixels, patch_size 16, merge_size 2, "
-                "temporal_patch_size 2)", folder=folder, file=file)
+                "temporal_patch_size 2)",
+                folder=folder,
+                file=file,
+            )
     tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False)
     if (tokenizer_config or {}).get("size") is not None and not isinstance(tokenizer_config["size"], dict):
-        raise CheckpointError(f"tokenizer_config.json in {folder}: size must be an object with shortest_edge / "
-                              "longest_edge (min / max pixels); the processor merges it into every image call",
-                              folder=folder, file="tokenizer_config.json")
+        raise CheckpointError(
+            f"tokenizer_config.json in {folder}: size must be an object with shortest_edge / "
+            "longest_edge (min / max pixels); the processor merges it into every image call",
+            folder=folder,
+            file="tokenizer_config.json",
+        )
     bounds = module.resolve_pixel_bounds(settings, source, tokenizer_config)
-    for what, value, where in (("min_pixels", bounds.min_pixels, bounds.min_source),
-                               ("max_pixels", bounds.max_pixels, bounds.max_source)):
+    for what, value, where in (
+        ("min_pixels", bounds.min_pixels, bounds.min_source),
+        ("max_pixels", bounds.max_pixels, bounds.max_source),
+    ):
         if not _positive_int(value):  # only tokenizer_config.json is left to hold a bad one
             raise CheckpointError(
                 f"{_file_of(where)} in {folder}: {what} must be a positive integer, got {value!r} (from "
                 f"{where}); the processor merges it into every image call. Restore the published value "
                 "(tokenizer_config.json: min_pixels 16384, max_pixels 3868706) or remove the key",
-                folder=folder, file=_file_of(where))
+                folder=folder,
+                file=_file_of(where),
+            )
     if bounds.min_pixels > bounds.max_pixels:
         raise CheckpointError(
             f"{folder}: min pixels {bounds.min_pixels} (from {bounds.min_source}) exceed max pixels "
             f"{bounds.max_pixels} (from {bounds.max_source}); restore the published values",
-            folder=folder, file=_file_of(bounds.min_source))
+            folder=folder,
+            file=_file_of(bounds.min_source),
+        )
 
 
 def _file_of(source: str) -> Optional[str]:
@@ -396,13 +499,20 @@ def _weight_files(folder: Path, roots: Tuple[str, ...]) -> Tuple[List[str], List
         # mlx-vlm >= 0.6 reads the shards named by the index (0.3.9 / 0.4.4 glob only).
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{INDEX_FILE} in {folder} has no weight_map object; restore it from "
-                                  "the published checkpoint", folder=folder, file=INDEX_FILE)
+            raise CheckpointError(
+                f"{INDEX_FILE} in {folder} has no weight_map object; restore it from the published checkpoint",
+                folder=folder,
+                file=INDEX_FILE,
+            )
         for shard in sorted(set(map(str, weight_map.values()))):
             _check_reference(folder, shard, roots, what=f"{INDEX_FILE} shard")
             if not (folder / shard).is_file():
-                raise CheckpointError(f"{INDEX_FILE} in {folder} names shard {shard!r}, which is missing; "
-                                      "the download is incomplete: download it again", folder=folder, file=shard)
+                raise CheckpointError(
+                    f"{INDEX_FILE} in {folder} names shard {shard!r}, which is missing; "
+                    "the download is incomplete: download it again",
+                    folder=folder,
+                    file=shard,
+                )
             if shard not in files:
                 files.append(shard)
     ignored = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
@@ -415,9 +525,12 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
     size = path.stat().st_size
 
     def broken(why: str) -> CheckpointError:
-        return CheckpointError(f"{name} in {folder} is not a valid safetensors file ({why}); the download "
-                               "was probably interrupted or the file corrupted: download it again",
-                               folder=folder, file=name)
+        return CheckpointError(
+            f"{name} in {folder} is not a valid safetensors file ({why}); the download "
+            "was probably interrupted or the file corrupted: download it again",
+            folder=folder,
+            file=name,
+        )
 
     with open(path, "rb") as f:
         head = f.read(8)
@@ -453,7 +566,9 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
         raise CheckpointError(
             f"{name} in {folder} is truncated: its header describes {end} bytes of tensor data but the file "
             f"holds {available}; the download was interrupted: download the file again",
-            folder=folder, file=name)
+            folder=folder,
+            file=name,
+        )
     return entries
 
 
@@ -485,15 +600,18 @@ def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tup
         out[p + "input_layernorm.weight"] = ((d,), "plain")
         for name, n_out, n_in in (("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)):
             linear(p + "self_attn." + name, n_out, n_in, t.attention_bias)
-        for name, n_out, n_in in (("gate_proj", t.intermediate_size, d), ("up_proj", t.intermediate_size, d),
-                                  ("down_proj", d, t.intermediate_size)):
+        for name, n_out, n_in in (
+            ("gate_proj", t.intermediate_size, d),
+            ("up_proj", t.intermediate_size, d),
+            ("down_proj", d, t.intermediate_size),
+        ):
             linear(p + "mlp." + name, n_out, n_in, False)
     out[lm + "norm.weight"] = ((d,), "plain")
     if not (model_config.tie_word_embeddings if tied is None else tied):
         linear("language_model.lm_head", t.vocab_size, d, False)
 
     vd, vi = v.hidden_size, v.intermediate_size
-    merged = vd * v.spatial_merge_size ** 2
+    merged = vd * v.spatial_merge_size**2
     vt = "vision_tower."
     conv = (vd, v.temporal_patch_size, v.patch_size, v.patch_size, v.in_channels)
     out[vt + "patch_embed.proj.weight"] = (conv, "conv")
@@ -508,8 +626,9 @@ def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tup
         linear(p + "attn.proj", vd, vd, True)
         linear(p + "mlp.linear_fc1", vi, vd, True)
         linear(p + "mlp.linear_fc2", vd, vi, True)
-    mergers = [("merger.", vd)] + [(f"deepstack_merger_list.{k}.", merged)
-                                   for k in range(len(v.deepstack_visual_indexes))]
+    mergers = [("merger.", vd)] + [
+        (f"deepstack_merger_list.{k}.", merged) for k in range(len(v.deepstack_visual_indexes))
+    ]
     for p, norm_dim in mergers:
         out[vt + p + "norm.weight"] = ((norm_dim,), "plain")
         out[vt + p + "norm.bias"] = ((norm_dim,), "plain")
@@ -522,8 +641,11 @@ def _mlx_key(key: str, tied: bool) -> Optional[str]:
     """A stored key in the module tree's naming (both published layouts), or None if dropped."""
     if key.rsplit(".", 1)[-1] == "position_ids":
         return None
-    for src, dst in (("model.language_model.", "language_model.model."), ("model.visual.", "vision_tower."),
-                     ("lm_head.", "language_model.lm_head.")):
+    for src, dst in (
+        ("model.language_model.", "language_model.model."),
+        ("model.visual.", "vision_tower."),
+        ("lm_head.", "language_model.lm_head."),
+    ):
         if key.startswith(src):
             key = key.replace(src, dst, 1)
             break
@@ -533,13 +655,19 @@ def _mlx_key(key: str, tied: bool) -> Optional[str]:
 
 
 def _defaulted_hint(config: Dict[str, Any]) -> str:
-    missing = [f"{sub}.{k}" for sub, keys in SHAPE_KEYS.items() for k in keys
-               if k not in (config.get(sub) or {}) and k not in ("head_dim", "attention_bias",
-                                                                  "num_key_value_heads", "in_channels")]
+    missing = [
+        f"{sub}.{k}"
+        for sub, keys in SHAPE_KEYS.items()
+        for k in keys
+        if k not in (config.get(sub) or {})
+        and k not in ("head_dim", "attention_bias", "num_key_value_heads", "in_channels")
+    ]
     if not missing:
         return ""
-    return (f" config.json leaves {', '.join(missing)} to the reference's defaults, which describe "
-            "another model: add those keys from the published config.json.")
+    return (
+        f" config.json leaves {', '.join(missing)} to the reference's defaults, which describe "
+        "another model: add those keys from the published config.json."
+    )
 
 
 def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) -> None:
@@ -569,16 +697,24 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
         raise CheckpointError(
             f"{folder}: {len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. "
             + ", ".join(where(k) for k in unexpected[:5])
-            + (". A post_attention_layernorm means these weights are not cohere_compass"
-               if post_norm else ". The weights belong to another model or configuration")
+            + (
+                ". A post_attention_layernorm means these weights are not cohere_compass"
+                if post_norm
+                else ". The weights belong to another model or configuration"
+            )
             + ": use the config.json published with these weights, or the weights published with it."
-            + hint, folder=folder, file=stored[unexpected[0]]["file"])
+            + hint,
+            folder=folder,
+            file=stored[unexpected[0]]["file"],
+        )
     missing = sorted(k for k in expected if k not in stored)
     if missing:
         raise CheckpointError(
             f"{folder}: {len(missing)} tensor(s) the model needs are not stored, e.g. {', '.join(missing[:5])}. "
             "The weights are incomplete or for another configuration: re-download the checkpoint, or use "
-            "the config.json published with these weights." + hint, folder=folder)
+            "the config.json published with these weights." + hint,
+            folder=folder,
+        )
     for key, (shape, kind) in expected.items():
         if key.rsplit(".", 1)[0] in qset:
             continue  # checked with the quantization block
@@ -587,15 +723,20 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
         if not ok:
             raise CheckpointError(
                 f"{folder}: {where(key)} has shape {list(got)} but config.json implies {list(shape)}; "
-                "config.json and the weights disagree: use the config.json published with these weights."
-                + hint, folder=folder, file=stored[key]["file"])
+                "config.json and the weights disagree: use the config.json published with these weights." + hint,
+                folder=folder,
+                file=stored[key]["file"],
+            )
 
 
 def _check_head(folder: Path, model_config, headers) -> bool:
     """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
     counts as used: whether it equals the embedding needs the data), or refuse."""
-    lm_head_stored = any((_mlx_key(key, False) or "").startswith("language_model.lm_head.")
-                         for entries in headers.values() for key in entries)
+    lm_head_stored = any(
+        (_mlx_key(key, False) or "").startswith("language_model.lm_head.")
+        for entries in headers.values()
+        for key in entries
+    )
     tied = model_config.head_tied(lm_head_stored)
     top, text = model_config.declared_tie_word_embeddings, model_config.text_config.tie_word_embeddings
     keys = f"tie_word_embeddings is {_key_state(top)} at the top level and {_key_state(text)} in text_config"
@@ -604,18 +745,29 @@ def _check_head(folder: Path, model_config, headers) -> bool:
             f"{folder}: no lm_head.weight is stored and config.json does not tie the head to the token "
             f"embedding ({keys}), so the model has no output head (transformers would run a randomly "
             "initialised one). If the head is the embedding, as in the published checkpoint, set "
-            "\"tie_word_embeddings\": true in config.json; otherwise the lm_head weights are missing: "
-            "re-download the checkpoint", folder=folder, file="config.json")
+            '"tie_word_embeddings": true in config.json; otherwise the lm_head weights are missing: '
+            "re-download the checkpoint",
+            folder=folder,
+            file="config.json",
+        )
     if tied != model_config.tie_word_embeddings and _loader_skips_sanitize(folder, headers):
         # The loader would build the head from config.json alone and then fail on the weights.
-        fix = ("set the top-level \"tie_word_embeddings\": false in config.json to use the stored lm_head "
-               "(or delete lm_head from the weights if it is a copy of the embedding)") if lm_head_stored else (
-               "set the top-level \"tie_word_embeddings\": true in config.json")
+        fix = (
+            (
+                'set the top-level "tie_word_embeddings": false in config.json to use the stored lm_head '
+                "(or delete lm_head from the weights if it is a copy of the embedding)"
+            )
+            if lm_head_stored
+            else ('set the top-level "tie_word_embeddings": true in config.json')
+        )
         raise CheckpointError(
             f"{folder}: config.json builds the head {'tied' if model_config.tie_word_embeddings else 'untied'} "
             f"({keys}) but the weights {'store' if lm_head_stored else 'do not store'} lm_head; mlx-vlm "
             f"{_dist_version('mlx-vlm')} loads MLX-format weight files without the model's sanitize, "
-            f"which settles that: {fix}", folder=folder, file="config.json")
+            f"which settles that: {fix}",
+            folder=folder,
+            file="config.json",
+        )
     return tied
 
 
@@ -681,33 +833,50 @@ def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> 
         return
     mlx_vlm, mlx = _dist_version("mlx-vlm"), _dist_version("mlx")
     pin = f"mlx-vlm {mlx_vlm} with mlx {mlx}"
-    affine = ("or use an affine conversion of the model (mlx_vlm.convert -q --q-bits 4 or 8, whose default "
-              "mode is affine)")
+    affine = (
+        "or use an affine conversion of the model (mlx_vlm.convert -q --q-bits 4 or 8, whose default mode is affine)"
+    )
     if mode not in QUANT_MODES:
         raise CheckpointError(
             f"{folder}: config.json's quantization mode {mode!r} (for {module}) is not one compass-compat "
             f"knows ({', '.join(['affine', *QUANT_MODES])}); {pin} is not known to load it: "
-            f"re-convert with one of those modes, {affine}", folder=folder, file="config.json")
+            f"re-convert with one of those modes, {affine}",
+            folder=folder,
+            file="config.json",
+        )
     need_group, need_bits = QUANT_MODES[mode]
     if (group, bits) != (need_group, need_bits):
         raise CheckpointError(
             f"{folder}: config.json's quantization mode {mode!r} needs group_size {need_group} and bits "
             f"{need_bits}, but {module} has group_size {group} and bits {bits}; restore the config.json "
-            "published with these weights", folder=folder, file="config.json")
+            "published with these weights",
+            folder=folder,
+            file="config.json",
+        )
     why = []
     if _version_tuple(mlx_vlm) < MODE_MIN_MLX_VLM:
-        why.append(f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode (as affine), so the "
-                   f"{mode} weights do not fit it")
+        why.append(
+            f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode (as affine), so the "
+            f"{mode} weights do not fit it"
+        )
     if _version_tuple(mlx) < MODE_MIN_MLX[mode]:
-        why.append(f"mlx {mlx} has no {mode} kernels" if _version_tuple(mlx) < (0, 30)
-                   else f"mlx {mlx}'s CPU kernels compute wrong {mode} results")
+        why.append(
+            f"mlx {mlx} has no {mode} kernels"
+            if _version_tuple(mlx) < (0, 30)
+            else f"mlx {mlx}'s CPU kernels compute wrong {mode} results"
+        )
     if why:
-        need = [f"mlx-vlm >= {'.'.join(map(str, MODE_MIN_MLX_VLM))}",
-                f"mlx >= {'.'.join(map(str, MODE_MIN_MLX[mode]))}"]
+        need = [
+            f"mlx-vlm >= {'.'.join(map(str, MODE_MIN_MLX_VLM))}",
+            f"mlx >= {'.'.join(map(str, MODE_MIN_MLX[mode]))}",
+        ]
         raise CheckpointError(
             f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: "
-            + "; ".join(why) + f". Load it with {' and '.join(need)}, {affine}",
-            folder=folder, file="config.json")
+            + "; ".join(why)
+            + f". Load it with {' and '.join(need)}, {affine}",
+            folder=folder,
+            file="config.json",
+        )
 
 
 def _check_quantization(folder: Path, config, expected, stored, quantized, where) -> None:
@@ -720,8 +889,11 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
         raise CheckpointError(
             f"{folder}: {where(first + '.scales')} shows the weights are quantized ({bits}-bit, group size "
             f"{group}), but config.json has no quantization block, so the model would be built unquantized. "
-            f"Add \"quantization\": {{\"group_size\": {group}, \"bits\": {bits}, \"mode\": \"affine\"}} "
-            "(or restore the config.json published with these weights)", folder=folder, file="config.json")
+            f'Add "quantization": {{"group_size": {group}, "bits": {bits}, "mode": "affine"}} '
+            "(or restore the config.json published with these weights)",
+            folder=folder,
+            file="config.json",
+        )
     for module in quantized:
         weight = module + ".weight"
         if weight not in expected or expected[weight][1] not in ("linear", "embedding"):
@@ -730,14 +902,16 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
         # without the "language_model." prefix (text-only conversions).
         settings = block.get(module)
         if settings is None and module.startswith("language_model."):
-            settings = block.get(module[len("language_model."):])
+            settings = block.get(module[len("language_model.") :])
         if settings is None:
             settings = block
         if settings is False:
             raise CheckpointError(
                 f"{folder}: config.json's quantization block says {module} is not quantized, but "
                 f"{where(module + '.scales')} is stored: restore the config.json published with these weights",
-                folder=folder, file="config.json")
+                folder=folder,
+                file="config.json",
+            )
         settings = settings if isinstance(settings, dict) else block
         want_bits, want_group = settings.get("bits"), settings.get("group_size")
         mode = settings.get("mode", "affine")
@@ -747,19 +921,27 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
                 f"{folder}: config.json's quantization block says bits={want_bits}, group_size={want_group}, "
                 f"but {where(weight)} is stored with {bits} bits and group size {group} "
                 f"(weight {list(stored[weight]['shape'])}, scales {list(stored[module + '.scales']['shape'])}). "
-                f"Set quantization to {{\"group_size\": {group}, \"bits\": {bits}}} or restore the "
-                "config.json published with these weights", folder=folder, file="config.json")
+                f'Set quantization to {{"group_size": {group}, "bits": {bits}}} or restore the '
+                "config.json published with these weights",
+                folder=folder,
+                file="config.json",
+            )
         _check_mode(folder, module, mode, want_bits, want_group)
         if mode != "affine" and module + ".biases" in stored:
             raise CheckpointError(
                 f"{folder}: {module} is quantized in mode {mode!r}, which has no biases, but "
-                f"{where(module + '.biases')} is stored: these are affine weights; set the mode to \"affine\" "
-                "or restore the config.json published with them", folder=folder, file="config.json")
+                f'{where(module + ".biases")} is stored: these are affine weights; set the mode to "affine" '
+                "or restore the config.json published with them",
+                folder=folder,
+                file="config.json",
+            )
         if mode == "affine" and stored.get(module + ".biases", {}).get("shape") != stored[module + ".scales"]["shape"]:
             raise CheckpointError(
                 f"{folder}: {module} is quantized in affine mode but its .biases tensor is missing or shaped "
                 "unlike its .scales; the weights are incomplete: re-download or re-convert them",
-                folder=folder, file=stored[module + ".scales"]["file"])
+                folder=folder,
+                file=stored[module + ".scales"]["file"],
+            )
 
 
 def _stored_quantization(expected, stored, module: str) -> Tuple[Any, Any]:

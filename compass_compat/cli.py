@@ -207,7 +207,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
         raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
     prompt = " ".join(args.prompt) if args.prompt else DEFAULT_PROMPT
-    messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
+    messages = (
+        [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
+    )
     # Our processor refuses video (a video token typed into the prompt) with this error.
     refused = getattr(sys.modules.get(type(processor).__module__), "VideoNotSupportedError", None)
     refused = refused if isinstance(refused, type) and issubclass(refused, Exception) else ()
@@ -363,7 +365,9 @@ def draw_answer_boxes(text: str, images: Sequence[str], index: Optional[int], ou
         raise CliError(f"--draw-boxes: cannot read {source}: {err}") from err
     matches = scan_boxes(text)
     boxes = [m.box for m in matches if m.problem is None]
-    picture = f"{source} ({image.width}x{image.height}" + (f", image {index} of {len(images)})" if len(images) > 1 else ")")
+    picture = f"{source} ({image.width}x{image.height}" + (
+        f", image {index} of {len(images)})" if len(images) > 1 else ")"
+    )
     if boxes:
         lines = [f"Boxes: {len(boxes)} found in the text (0-{GRID} grid) -> pixels of {picture}:"]
     else:
@@ -551,7 +555,9 @@ def _server_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
     parser.add_argument(
-        "--max-images", type=int, default=None,
+        "--max-images",
+        type=int,
+        default=None,
         help="most images per request before a 400 (default: mlx-vlm's MAX_IMAGES, 10)",
     )
     parser.add_argument("--no-guard", action="store_true", help="pass every request to mlx-vlm unchecked")
@@ -604,7 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the tiny random checkpoint")
     gen.add_argument(
-        "--image", nargs="+", action="extend", metavar="IMAGE",
+        "--image",
+        nargs="+",
+        action="extend",
+        metavar="IMAGE",
         help="image file(s) or URL(s); repeatable; default: the bundled demo picture",
     )
     gen.add_argument("--no-image", action="store_true", help="text-only prompt")
@@ -612,37 +621,59 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="system message")
     gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
     gen.add_argument(
-        "--temperature", type=_bounded(float, 0.0), metavar="T",
+        "--temperature",
+        type=_bounded(float, 0.0),
+        metavar="T",
         help=f"sampling temperature, 0 is greedy; default: {_UNSET_SAMPLING}",
     )
-    gen.add_argument("--top-p", type=_bounded(float, 0.0, 1.0), metavar="P", help="nucleus sampling, 1 disables it; default: as --temperature")
-    gen.add_argument("--top-k", type=_bounded(int, 0), metavar="K", help="sample from the K most likely tokens, 0 disables it; default: as --temperature")
     gen.add_argument(
-        "--seed", type=int, default=0,
+        "--top-p",
+        type=_bounded(float, 0.0, 1.0),
+        metavar="P",
+        help="nucleus sampling, 1 disables it; default: as --temperature",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_bounded(int, 0),
+        metavar="K",
+        help="sample from the K most likely tokens, 0 disables it; default: as --temperature",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
         help="PRNG seed for sampling, set just before generating, so a run repeats (default: %(default)s)",
     )
     gen.add_argument(
-        "--draw-boxes", metavar="OUT.png",
+        "--draw-boxes",
+        metavar="OUT.png",
         help=(
             "after generating, find [x1, y1, x2, y2] boxes (0-1000 grid) in the text, draw them on a "
             "copy of the first image and write it to OUT.png (unannotated if none are found)"
         ),
     )
     gen.add_argument(
-        "--box-image-index", type=int, metavar="N",
+        "--box-image-index",
+        type=int,
+        metavar="N",
         help="with --draw-boxes and several images, draw on image N instead (0 is the first)",
     )
     gen.add_argument(
-        "--verbose", action=argparse.BooleanOptionalAction, default=True,
+        "--verbose",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="print model, images, prompt and speed around the text (default); --no-verbose prints the text only",
     )
 
     sub.add_parser(
-        "server", add_help=False, parents=[_server_parser()],
+        "server",
+        add_help=False,
+        parents=[_server_parser()],
         help="start mlx-vlm's server, patched (mlx-vlm's server flags)",
     )
     sub.add_parser(
-        "convert", add_help=False,
+        "convert",
+        add_help=False,
         help="mlx-vlm's converter, patched (e.g. --hf-path IN --mlx-path OUT -q --q-bits 4)",
     )
     run = sub.add_parser(

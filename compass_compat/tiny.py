@@ -302,7 +302,7 @@ def tiny_weights(seed: int = 0) -> Dict[str, np.ndarray]:
     embed = weights["model.language_model.embed_tokens.weight"]
     embed[special_token_ids()["<|END_OF_TURN_TOKEN|>"]] *= np.float32(0.25)
     # Padding rows small, so no greedy step lands on an id the tokenizer cannot decode.
-    embed[tokenizer_vocab_size():] *= np.float32(0.1)
+    embed[tokenizer_vocab_size() :] *= np.float32(0.1)
     return weights
 
 

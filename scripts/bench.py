@@ -59,12 +59,28 @@ TAG = "BENCH-JSON "
 # take ~7 minutes per implementation, upstream's 4-bit path ~20 s per token).
 PRESETS = {
     "issue": dict(
-        prompt=512, decode=64, prompt_4bit=512, decode_4bit=64, vision_sizes=[448, 896],
-        vision_blocks=0, ttft_image=896, runs=5, image_runs=5, load_runs=3,
+        prompt=512,
+        decode=64,
+        prompt_4bit=512,
+        decode_4bit=64,
+        vision_sizes=[448, 896],
+        vision_blocks=0,
+        ttft_image=896,
+        runs=5,
+        image_runs=5,
+        load_runs=3,
     ),
     "cpu": dict(
-        prompt=12, decode=6, prompt_4bit=3, decode_4bit=2, vision_sizes=[448, 896],
-        vision_blocks=1, ttft_image=128, runs=3, image_runs=2, load_runs=3,
+        prompt=12,
+        decode=6,
+        prompt_4bit=3,
+        decode_4bit=2,
+        vision_sizes=[448, 896],
+        vision_blocks=1,
+        ttft_image=128,
+        runs=3,
+        image_runs=2,
+        load_runs=3,
     ),
 }
 
@@ -169,10 +185,14 @@ class MLXRunner:
             logits = lm(y[:, None], cache=cache).logits
         mx.eval(logits)
         return dict(
-            prefill_s=prefill_s, prefill_tps=prompt / prefill_s, decode_s=decode_s,
-            decode_tps=decode / decode_s, decode_build_ms=1000 * build / decode,
+            prefill_s=prefill_s,
+            prefill_tps=prompt / prefill_s,
+            decode_s=decode_s,
+            decode_tps=decode / decode_s,
+            decode_build_ms=1000 * build / decode,
             decode_cpu_ms=1000 * cpu / decode,
-            host_syncs_per_step=sum(guard.calls.values()), host_sync_calls=guard.calls,
+            host_syncs_per_step=sum(guard.calls.values()),
+            host_sync_calls=guard.calls,
         )
 
     def _decode_steps(self, y, cache, steps: int) -> None:
@@ -200,8 +220,14 @@ class MLXRunner:
         rows = []
         for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
             short = f"{pathlib.Path(path).name}:{line}({func})" if line else func
-            rows.append(dict(function=short, calls_per_step=nc / steps, own_us_per_step=1e6 * tt / steps,
-                             cum_us_per_step=1e6 * ct / steps))
+            rows.append(
+                dict(
+                    function=short,
+                    calls_per_step=nc / steps,
+                    own_us_per_step=1e6 * tt / steps,
+                    cum_us_per_step=1e6 * ct / steps,
+                )
+            )
         rows.sort(key=lambda r: -r["own_us_per_step"])
         return dict(steps=steps, top=rows[:top], total_s=stats.total_tt)
 
@@ -291,7 +317,9 @@ class TorchRunner:
             checkpoint, dtype=dt, attn_implementation="sdpa"
         ).eval()
         self.load_s = time.perf_counter() - tic
-        self.file = f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        self.file = (
+            f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
         self._replay = None
 
     def _ids(self, key):
@@ -321,7 +349,9 @@ class TorchRunner:
                 y = out.logits[:, -1].argmax(-1, keepdim=True)
                 int(y)
             decode_s = time.perf_counter() - tic
-        return dict(prefill_s=prefill_s, prefill_tps=prompt / prefill_s, decode_s=decode_s, decode_tps=decode / decode_s)
+        return dict(
+            prefill_s=prefill_s, prefill_tps=prompt / prefill_s, decode_s=decode_s, decode_tps=decode / decode_s
+        )
 
     def _encoder(self, pv, grid):
         return self.model.model.get_image_features(pv, grid, return_dict=True)
@@ -353,11 +383,23 @@ class TorchRunner:
                 self._replay = self._encoder(pv, grid)
             tic = time.perf_counter()
             if replayed:
-                out = self.model(input_ids=ids, image_grid_thw=grid, mm_token_type_ids=mm,
-                                 mm_encoder_outputs={"image": self._replay}, use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=ids,
+                    image_grid_thw=grid,
+                    mm_token_type_ids=mm,
+                    mm_encoder_outputs={"image": self._replay},
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             else:
-                out = self.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=mm,
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=ids,
+                    pixel_values=pv,
+                    image_grid_thw=grid,
+                    mm_token_type_ids=mm,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             int(out.logits[:, -1].argmax(-1))
             return dict(seconds=time.perf_counter() - tic)
 
@@ -406,18 +448,30 @@ class Worker:
         if impl == "ours":
             env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", impl, "--variant", variant,
-               "--checkpoint", str(checkpoint), "--vision-blocks", str(vision_blocks)]
+        cmd = [
+            sys.executable,
+            str(pathlib.Path(__file__).resolve()),
+            "--worker",
+            impl,
+            "--variant",
+            variant,
+            "--checkpoint",
+            str(checkpoint),
+            "--vision-blocks",
+            str(vision_blocks),
+        ]
         if inputs_path is not None:
             cmd += ["--inputs", str(inputs_path)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO)
+        )
         loaded = self._read()
         self.load_s, self.file = loaded["load_s"], loaded["file"]
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith(TAG):
-                msg = json.loads(line[len(TAG):])
+                msg = json.loads(line[len(TAG) :])
                 if msg.get("event") == "error":
                     raise RuntimeError(f"{self.name}: {msg['error']}\n{msg['traceback']}")
                 return msg
@@ -465,10 +519,14 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     single = max(timed(a.sum, a.nbytes) for _ in range(repeats))
     multi = max(timed(threaded_sum, a.nbytes) for _ in range(repeats))
     copy = max(timed(lambda: np.copyto(c, a), 2 * a.nbytes) for _ in range(repeats))
-    return dict(sum_1_thread_gbs=single, sum_all_threads_gbs=multi, memcpy_gbs=copy,
-                bandwidth_gbs=max(single, multi, copy),
-                method=f"numpy over {gib:g} GiB float32, best of {repeats}: sum (1 and all threads), "
-                       "np.copyto (read + write bytes); the largest")
+    return dict(
+        sum_1_thread_gbs=single,
+        sum_all_threads_gbs=multi,
+        memcpy_gbs=copy,
+        bandwidth_gbs=max(single, multi, copy),
+        method=f"numpy over {gib:g} GiB float32, best of {repeats}: sum (1 and all threads), "
+        "np.copyto (read + write bytes); the largest",
+    )
 
 
 def decode_bytes_per_token(checkpoint: pathlib.Path, context: int, as_fp32: bool = False) -> dict:
@@ -507,19 +565,27 @@ def prepare_inputs(path: pathlib.Path, checkpoint: pathlib.Path, preset: dict, s
     config = json.loads((checkpoint / "config.json").read_text())
     rng = np.random.default_rng(0)
     text_len = max(preset["prompt"], preset["prompt_4bit"])
-    data = {"text": rng.integers(1000, 250000, size=text_len).astype(np.int32),
-            "image_token_id": np.int64(config["image_token_id"])}
+    data = {
+        "text": rng.integers(1000, 250000, size=text_len).astype(np.int32),
+        "image_token_id": np.int64(config["image_token_id"]),
+    }
     for size in sorted(set(sizes)):
         image = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
         # min_pixels lowered only so that a scaled (small) TTFT image keeps its size.
-        proc = processing.CohereCompassImageProcessor(**{**pre, "size": {**pre["size"], "shortest_edge": min(size * size, pre["size"]["shortest_edge"])}})
+        proc = processing.CohereCompassImageProcessor(
+            **{**pre, "size": {**pre["size"], "shortest_edge": min(size * size, pre["size"]["shortest_edge"])}}
+        )
         out = proc(image)
         pv, grid = np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])
         n_img = int(grid[0, 0] * grid[0, 1] * grid[0, 2] // 4)
         question = rng.integers(1000, 250000, size=8).tolist()
-        prompt = ([ids["<BOS_TOKEN>"], ids["<|START_OF_TURN_TOKEN|>"], ids["<|USER_TOKEN|>"], config["vision_start_token_id"]]
-                  + [config["image_token_id"]] * n_img + [config["vision_end_token_id"]] + question
-                  + [ids["<|END_OF_TURN_TOKEN|>"], ids["<|START_OF_TURN_TOKEN|>"], ids["<|CHATBOT_TOKEN|>"]])
+        prompt = (
+            [ids["<BOS_TOKEN>"], ids["<|START_OF_TURN_TOKEN|>"], ids["<|USER_TOKEN|>"], config["vision_start_token_id"]]
+            + [config["image_token_id"]] * n_img
+            + [config["vision_end_token_id"]]
+            + question
+            + [ids["<|END_OF_TURN_TOKEN|>"], ids["<|START_OF_TURN_TOKEN|>"], ids["<|CHATBOT_TOKEN|>"]]
+        )
         data.update({f"pv_{size}": pv, f"grid_{size}": grid, f"ids_{size}": np.array(prompt, np.int32)})
     np.savez(path, **data)
     return {k: (v.shape if hasattr(v, "shape") else v) for k, v in data.items()}
@@ -554,7 +620,7 @@ def run_group(specs, preset, args, inputs_path, results, t_start):
     # cache of whoever loads last) and exits; the workers that measure start afterwards.
     for r in range(preset["load_runs"] + 1):
         timed = r < preset["load_runs"]
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             impl, variant, ckpt = next((s[1], s[2], s[3]) for s in specs if s[0] == name)
             log(f"load {name} " + (f"(round {r + 1}/{preset['load_runs']})" if timed else "(to measure)"))
@@ -566,9 +632,10 @@ def run_group(specs, preset, args, inputs_path, results, t_start):
             else:
                 workers[name] = w
     try:
+
         def rounds(op, runs, key, **kw):
             for r in range(runs):
-                order = names[r % len(names):] + names[: r % len(names)]
+                order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
                     variant = workers[name].variant
                     call_kw = dict(kw)
@@ -586,8 +653,13 @@ def run_group(specs, preset, args, inputs_path, results, t_start):
             for size in preset["vision_sizes"]:
                 rounds("vision", preset["image_runs"], f"vision_{size}", size=size)
             for replayed in (False, True):
-                rounds("ttft", preset["image_runs"], "ttft_replayed" if replayed else "ttft_uncached",
-                       size=preset["ttft_image"], replayed=replayed)
+                rounds(
+                    "ttft",
+                    preset["image_runs"],
+                    "ttft_replayed" if replayed else "ttft_uncached",
+                    size=preset["ttft_image"],
+                    replayed=replayed,
+                )
             names[:] = saved
         for name in names:
             results[name]["stats"] = workers[name].call("stats")
@@ -681,6 +753,7 @@ def markdown(rows, preset_name, preset, meta) -> str:
 
 def git_revision() -> dict:
     """The commit measured, and whether tracked files differed from it (``dirty``)."""
+
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -716,9 +789,15 @@ def main() -> None:
     import build_fullsize
 
     preset = dict(PRESETS[args.preset])
-    for key, value in (("runs", args.runs), ("image_runs", args.image_runs), ("prompt", args.prompt),
-                       ("decode", args.decode), ("vision_blocks", args.vision_blocks), ("ttft_image", args.ttft_image),
-                       ("load_runs", args.load_runs)):
+    for key, value in (
+        ("runs", args.runs),
+        ("image_runs", args.image_runs),
+        ("prompt", args.prompt),
+        ("decode", args.decode),
+        ("vision_blocks", args.vision_blocks),
+        ("ttft_image", args.ttft_image),
+        ("load_runs", args.load_runs),
+    ):
         if value is not None:
             preset[key] = value
     t_start = time.perf_counter()
@@ -764,18 +843,32 @@ def main() -> None:
                 log(f"group {group} failed: {e}")
                 errors[" ".join(group)] = str(e)
 
-    context = {n: (preset["prompt_4bit"] + preset["decode_4bit"] if "4bit" in n else preset["prompt"] + preset["decode"])
-               for n in results}
-    bpt = {n: decode_bytes_per_token(ckpt["4bit" if "4bit" in n else "bf16"], context[n], as_fp32=(n == "torch-fp32"))
-           for n in results}
+    context = {
+        n: (preset["prompt_4bit"] + preset["decode_4bit"] if "4bit" in n else preset["prompt"] + preset["decode"])
+        for n in results
+    }
+    bpt = {
+        n: decode_bytes_per_token(ckpt["4bit" if "4bit" in n else "bf16"], context[n], as_fp32=(n == "torch-fp32"))
+        for n in results
+    }
     rows = summarize(results, bandwidth, bpt, preset)
     load_after = os.getloadavg()
     meta = dict(
-        started_utc=started.isoformat(timespec="seconds"), preset=args.preset, counts=preset, git=revision,
-        seconds_total=time.perf_counter() - t_start, seconds_building=t_built - t_start,
-        loadavg_before=load_before, loadavg_after=load_after, machine=platform.platform(),
-        cpus=os.cpu_count(), python=sys.version.split()[0], bandwidth=bandwidth, bytes_per_token=bpt,
-        implementations={n: r.get("file") for n, r in results.items()}, errors=errors,
+        started_utc=started.isoformat(timespec="seconds"),
+        preset=args.preset,
+        counts=preset,
+        git=revision,
+        seconds_total=time.perf_counter() - t_start,
+        seconds_building=t_built - t_start,
+        loadavg_before=load_before,
+        loadavg_after=load_after,
+        machine=platform.platform(),
+        cpus=os.cpu_count(),
+        python=sys.version.split()[0],
+        bandwidth=bandwidth,
+        bytes_per_token=bpt,
+        implementations={n: r.get("file") for n, r in results.items()},
+        errors=errors,
         cpu_lanes={n: r.get("stats", {}).get("cpu_lanes") for n, r in results.items() if n.startswith("ours")},
     )
     try:
@@ -790,7 +883,9 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = started.strftime("%Y%m%dT%H%M%SZ")
-    (out / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, summary=rows, raw=results), indent=2, default=str) + "\n")
+    (out / f"{stamp}.json").write_text(
+        json.dumps(dict(meta=meta, summary=rows, raw=results), indent=2, default=str) + "\n"
+    )
     notes = (
         f"commit {revision['commit']}{' (dirty)' if revision['dirty'] else ''}; "
         f"preset `{args.preset}`: {json.dumps(preset)}; load average {load_before[0]:.2f} before, "

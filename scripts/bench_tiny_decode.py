@@ -82,8 +82,11 @@ def main() -> None:
     checkpoint = build_tiny_checkpoint(work / "tiny", layout="mlx", dtype=args.dtype)
     inputs = work / "inputs.npz"
     rng = np.random.default_rng(0)
-    np.savez(inputs, text=rng.integers(10, tokenizer_vocab_size(), size=args.prompt).astype(np.int32),
-             image_token_id=np.int64(-1))
+    np.savez(
+        inputs,
+        text=rng.integers(10, tokenizer_vocab_size(), size=args.prompt).astype(np.int32),
+        image_token_id=np.int64(-1),
+    )
 
     names = args.only or list(WORKERS)
     workers = {}
@@ -94,21 +97,28 @@ def main() -> None:
                 workers[name] = bench.Worker(name, impl, args.dtype, checkpoint, inputs, 0)
         lane_counts = {n: w.call("stats")["cpu_lanes"] for n, w in workers.items()}
         load = os.getloadavg()[0]
-        print(f"tiny checkpoint ({args.dtype}), {args.rounds} rounds x {args.steps} decode steps, "
-              f"prompt {args.prompt}; CPU lanes {lane_counts} (upstream: n/a); load average {load:.2f}")
+        print(
+            f"tiny checkpoint ({args.dtype}), {args.rounds} rounds x {args.steps} decode steps, "
+            f"prompt {args.prompt}; CPU lanes {lane_counts} (upstream: n/a); load average {load:.2f}"
+        )
         for w in workers.values():  # warm: first-call allocations and imports
             w.call("text", prompt=args.prompt, decode=20)
         results = {n: [] for n in names}
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 res = workers[name].call("text", prompt=args.prompt, decode=args.steps)
                 results[name].append(res)
-                print(f"round {r + 1}/{args.rounds} {name:13s} {res['decode_tps']:7.1f} tok/s  "
-                      f"graph build {res['decode_build_ms']:.3f} ms/step  "
-                      f"CPU {res['decode_cpu_ms']:.3f} ms/step", flush=True)
-        med = {n: {k: statistics.median(x[k] for x in rs) for k in ("decode_tps", "decode_build_ms", "decode_cpu_ms")}
-               for n, rs in results.items()}
+                print(
+                    f"round {r + 1}/{args.rounds} {name:13s} {res['decode_tps']:7.1f} tok/s  "
+                    f"graph build {res['decode_build_ms']:.3f} ms/step  "
+                    f"CPU {res['decode_cpu_ms']:.3f} ms/step",
+                    flush=True,
+                )
+        med = {
+            n: {k: statistics.median(x[k] for x in rs) for k in ("decode_tps", "decode_build_ms", "decode_cpu_ms")}
+            for n, rs in results.items()
+        }
         print()
         print("| worker | decode tok/s | graph build ms/step | CPU ms/step | tok/s vs upstream | CPU vs upstream |")
         print("|---|---|---|---|---|---|")
@@ -117,7 +127,9 @@ def main() -> None:
             m = med[n]
             vs = f"{m['decode_tps'] / up['decode_tps']:.2f}" if up else "—"
             cpu_vs = f"{m['decode_cpu_ms'] / up['decode_cpu_ms']:.2f}" if up else "—"
-            print(f"| {n} | {m['decode_tps']:.1f} | {m['decode_build_ms']:.3f} | {m['decode_cpu_ms']:.3f} | {vs} | {cpu_vs} |")
+            print(
+                f"| {n} | {m['decode_tps']:.1f} | {m['decode_build_ms']:.3f} | {m['decode_cpu_ms']:.3f} | {vs} | {cpu_vs} |"
+            )
         print("(medians over rounds; CPU: process CPU time, every thread, per decode step)")
         print(f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
 
@@ -130,12 +142,16 @@ def main() -> None:
         if args.profile:
             for n, w in workers.items():
                 p = w.call("decode_profile", prompt=args.prompt, steps=args.profile_steps, top=args.top)
-                print(f"\ncProfile {n}: {args.profile_steps} steps, {1e3 * p['total_s'] / p['steps']:.3f} ms "
-                      "host time per step (profiled)")
+                print(
+                    f"\ncProfile {n}: {args.profile_steps} steps, {1e3 * p['total_s'] / p['steps']:.3f} ms "
+                    "host time per step (profiled)"
+                )
                 print(f"  {'own us/step':>11s} {'cum us/step':>11s} {'calls/step':>10s}  function")
                 for row in p["top"]:
-                    print(f"  {row['own_us_per_step']:11.1f} {row['cum_us_per_step']:11.1f} "
-                          f"{row['calls_per_step']:10.1f}  {row['function']}")
+                    print(
+                        f"  {row['own_us_per_step']:11.1f} {row['cum_us_per_step']:11.1f} "
+                        f"{row['calls_per_step']:10.1f}  {row['function']}"
+                    )
     finally:
         for w in workers.values():
             w.close()

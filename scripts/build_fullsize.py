@@ -153,7 +153,10 @@ def weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float, bool]]:
     """
     t, v = TEXT, VISION
     d, heads, kv, hd, inter = (
-        t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"],
+        t["hidden_size"],
+        t["num_attention_heads"],
+        t["num_key_value_heads"],
+        t["head_dim"],
         t["intermediate_size"],
     )
     lm = "language_model.model."
@@ -289,7 +292,9 @@ def write_weights(path: pathlib.Path, variant: str, seed: int = 0, progress=_pri
             done += nbytes
             if done / total >= next_report or done == total:
                 rate = done / max(time.perf_counter() - tic, 1e-9) / 1e6
-                progress(f"  [{variant}] {100 * done / total:5.1f}%  {done / 1e9:5.2f}/{total / 1e9:.2f} GB  ({rate:.0f} MB/s)")
+                progress(
+                    f"  [{variant}] {100 * done / total:5.1f}%  {done / 1e9:5.2f}/{total / 1e9:.2f} GB  ({rate:.0f} MB/s)"
+                )
                 while next_report <= done / total:
                     next_report += 0.05
     return total
@@ -412,8 +417,12 @@ def ensure_torch_layout(root=None, seed: int = 0, progress=_print) -> pathlib.Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", choices=VARIANTS + ("torch", "all"), default="all",
-                        help="'torch': the bf16 stand-in in the original layout, for transformers")
+    parser.add_argument(
+        "--variant",
+        choices=VARIANTS + ("torch", "all"),
+        default="all",
+        help="'torch': the bf16 stand-in in the original layout, for transformers",
+    )
     parser.add_argument("--dir", help=f"cache folder (default {default_dir()})")
     args = parser.parse_args()
     for variant in VARIANTS + ("torch",) if args.variant == "all" else (args.variant,):

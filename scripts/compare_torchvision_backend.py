@@ -44,9 +44,12 @@ def main() -> None:
 
     ours_module = load_ours()
     config = dict(
-        image_mean=[0.48, 0.46, 0.41], image_std=[0.27, 0.26, 0.28],
+        image_mean=[0.48, 0.46, 0.41],
+        image_std=[0.27, 0.26, 0.28],
         size={"shortest_edge": 16384, "longest_edge": 602112},
-        patch_size=16, merge_size=2, temporal_patch_size=2,
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
     )
     ours = ours_module.CohereCompassImageProcessor(**config)
     torchvision_backend = CohereCompassImageProcessor(**config)
@@ -62,9 +65,11 @@ def main() -> None:
         pc = c["pixel_values"].numpy()
         grids = [np.asarray(x).tolist() for x in (a["image_grid_thw"], b["image_grid_thw"], c["image_grid_thw"])]
         same_grid = grids[0] == grids[1] == grids[2]
-        print(f"| {name} | {grids[0]}{'' if same_grid else ' (grids differ!)'} | {np.abs(pa - pb).max():.2e} | "
-              f"{np.abs(pa - pc).max() if pa.shape == pc.shape else 'shape differs'} | "
-              f"{np.abs(pb - pc).max() if pb.shape == pc.shape else 'shape differs'} |")
+        print(
+            f"| {name} | {grids[0]}{'' if same_grid else ' (grids differ!)'} | {np.abs(pa - pb).max():.2e} | "
+            f"{np.abs(pa - pc).max() if pa.shape == pc.shape else 'shape differs'} | "
+            f"{np.abs(pb - pc).max() if pb.shape == pc.shape else 'shape differs'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (dtype, bits) in RECIPES.items():
             source = build_tiny_checkpoint(pathlib.Path(tmp) / f"tiny_{dtype}", layout="original", dtype=dtype)
-            print(f"[fixture] {name}: upstream mlx-vlm {mlx_vlm.__version__} convert -q --q-bits {bits} "
-                  f"--q-group-size {GROUP_SIZE} (source {dtype})", flush=True)
+            print(
+                f"[fixture] {name}: upstream mlx-vlm {mlx_vlm.__version__} convert -q --q-bits {bits} "
+                f"--q-group-size {GROUP_SIZE} (source {dtype})",
+                flush=True,
+            )
             convert(str(source), mlx_path=str(OUT / name), quantize=True, q_bits=bits, q_group_size=GROUP_SIZE)
             (OUT / name / "provenance.json").write_text(
                 json.dumps(
@@ -66,14 +69,23 @@ def main() -> int:
                         "converter": f"mlx_vlm.convert.convert (upstream mlx-vlm {mlx_vlm.__version__})",
                         "cohere_compass_implementation": info.implementation,
                         "cohere_compass_file": info.file,
-                        "source": {"builder": "compass_compat.tiny.build_tiny_checkpoint", "layout": "original",
-                                   "dtype": dtype, "seed": 0, "variant": "default"},
+                        "source": {
+                            "builder": "compass_compat.tiny.build_tiny_checkpoint",
+                            "layout": "original",
+                            "dtype": dtype,
+                            "seed": 0,
+                            "variant": "default",
+                        },
                         "quantize": {"bits": bits, "group_size": GROUP_SIZE, "mode": "affine"},
-                        "versions": {"mlx-vlm": mlx_vlm.__version__, "mlx": mx.__version__,
-                                     "transformers": transformers.__version__},
+                        "versions": {
+                            "mlx-vlm": mlx_vlm.__version__,
+                            "mlx": mx.__version__,
+                            "transformers": transformers.__version__,
+                        },
                     },
                     indent=2,
-                ) + "\n",
+                )
+                + "\n",
                 encoding="utf-8",
             )
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())

@@ -43,7 +43,7 @@ def main() -> None:
     load_once("upstream", args.variant, checkpoint)  # untimed: brings the files into the page cache
     times = {"ours": [], "upstream": []}
     for r in range(args.rounds):
-        for impl in (("upstream", "ours") if r % 2 == 0 else ("ours", "upstream")):
+        for impl in ("upstream", "ours") if r % 2 == 0 else ("ours", "upstream"):
             times[impl].append(load_once(impl, args.variant, checkpoint))
             print(f"round {r + 1}: {impl:8s} {times[impl][-1]:.2f} s", flush=True)
     ours, up = statistics.median(times["ours"]), statistics.median(times["upstream"])

@@ -30,8 +30,16 @@ MIB = 1024 * 1024
 
 # The published preprocessor_config.json values.
 PUBLISHED = dict(
-    patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    resample=3, do_convert_rgb=True, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    resample=3,
+    do_convert_rgb=True,
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
 )
 
 

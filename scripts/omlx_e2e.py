@@ -114,15 +114,34 @@ def make_cases() -> List[Case]:
         Case("a", [demo], "Describe this picture.", what="image + text"),
         Case("b", [], "Say hello.", what="text only"),
         Case("c", [demo], "Describe this picture.", stream=True, what="= a, stream=true"),
-        Case("d", [str(FIXTURES / "synth_448x448.png"), str(FIXTURES / "synth_320x256.png")],
-             "Compare the two pictures.", what="two images + text"),
+        Case(
+            "d",
+            [str(FIXTURES / "synth_448x448.png"), str(FIXTURES / "synth_320x256.png")],
+            "Compare the two pictures.",
+            what="two images + text",
+        ),
         Case("e", [demo], "Describe this picture.", what="= a again (vision cache hit)"),
-        Case("f1", [str(FIXTURES / "synth_501x379.png")], "What colours do you see in this picture?",
-             group="concurrent", what="concurrent: image + text"),
-        Case("f2", [], "Write one sentence about the sea, the wind and the sky at night.",
-             group="concurrent", what="concurrent: text only"),
-        Case("f3", [str(FIXTURES / "synth_256x320.png")], "Describe it.",
-             group="concurrent", what="concurrent: image + short text"),
+        Case(
+            "f1",
+            [str(FIXTURES / "synth_501x379.png")],
+            "What colours do you see in this picture?",
+            group="concurrent",
+            what="concurrent: image + text",
+        ),
+        Case(
+            "f2",
+            [],
+            "Write one sentence about the sea, the wind and the sky at night.",
+            group="concurrent",
+            what="concurrent: text only",
+        ),
+        Case(
+            "f3",
+            [str(FIXTURES / "synth_256x320.png")],
+            "Describe it.",
+            group="concurrent",
+            what="concurrent: image + short text",
+        ),
     ]
 
 
@@ -156,8 +175,16 @@ def data_uri(path: str) -> str:
 
 
 def generate_argv(model_dir: Path, case: Case, max_tokens: int) -> List[str]:
-    argv = ["generate", "--model", str(model_dir), "--no-verbose", "--temperature", "0",
-            "--max-tokens", str(max_tokens)]
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--no-verbose",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(max_tokens),
+    ]
     argv += ["--image", *case.images] if case.images else ["--no-image"]
     return argv + ["--prompt", case.text]
 
@@ -198,8 +225,9 @@ def versions() -> Dict[str, str]:
 
 # --------------------------------------------------------------------------- source
 def git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True,
-                          text=True, timeout=60).stdout
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
 
 
 def export_rev(rev: str, out: Path) -> Path:
@@ -210,8 +238,12 @@ def export_rev(rev: str, out: Path) -> Path:
         tmp = out / f".src-{sha[:12]}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, "compass_compat", "vendor"],
-                                 check=True, capture_output=True, timeout=60).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", sha, "compass_compat", "vendor"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True, timeout=60)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
@@ -221,8 +253,10 @@ def export_rev(rev: str, out: Path) -> Path:
 def source_info() -> Dict[str, Any]:
     import compass_compat
 
-    info: Dict[str, Any] = {"compass_compat": str(Path(compass_compat.__file__).resolve().parent),
-                            "exported": os.environ.get(REEXEC)}
+    info: Dict[str, Any] = {
+        "compass_compat": str(Path(compass_compat.__file__).resolve().parent),
+        "exported": os.environ.get(REEXEC),
+    }
     with contextlib.suppress(Exception):
         info["head"] = git("log", "-1", "--format=%h %ci %s").strip()
         if not info["exported"]:
@@ -318,8 +352,10 @@ def prompt_check(model_dir: Path, cases: List[Case], max_tokens: int) -> Dict[st
 
     # Which decode branch oMLX's adapter takes for this model: with mRoPE it passes
     # position_ids built from the batch cache offsets plus per-request rope deltas.
-    log(f"oMLX VLMModelAdapter sees mRoPE: {VLMModelAdapter._detect_mrope(model)} "
-        f"(text_config.rope_scaling or rope_parameters with a top-level 'mrope_section')")
+    log(
+        f"oMLX VLMModelAdapter sees mRoPE: {VLMModelAdapter._detect_mrope(model)} "
+        f"(text_config.rope_scaling or rope_parameters with a top-level 'mrope_section')"
+    )
 
     report: Dict[str, Dict[str, Any]] = {}
     seen: Dict[Tuple, Dict[str, Any]] = {}
@@ -354,8 +390,9 @@ def prompt_check(model_dir: Path, cases: List[Case], max_tokens: int) -> Dict[st
             diffs = []
             if ref_prompt != host_prompt:
                 diffs.append("prompt string")
-            keys = sorted(k for k in set(ref_out) | set(host_out)
-                          if (ref_out.get(k) is not None or host_out.get(k) is not None))
+            keys = sorted(
+                k for k in set(ref_out) | set(host_out) if (ref_out.get(k) is not None or host_out.get(k) is not None)
+            )
             for k in keys:
                 if not _arrays_equal(ref_out.get(k), host_out.get(k)):
                     diffs.append(k)
@@ -384,9 +421,20 @@ class Server:
 
     def command(self) -> List[str]:
         exe = Path(sys.executable).with_name("omlx")
-        return [str(exe), "serve", "--model-dir", str(self.out / "models"),
-                "--base-path", str(self.out / "base"), "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", self.log_level]
+        return [
+            str(exe),
+            "serve",
+            "--model-dir",
+            str(self.out / "models"),
+            "--base-path",
+            str(self.out / "base"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            self.log_level,
+        ]
 
     def start(self) -> None:
         base = self.out / "base"
@@ -395,15 +443,23 @@ class Server:
         env = dict(os.environ, **{AUTOPATCH: "1"})
         self._log = open(self.log_path, "wb")
         log(f"starting: {AUTOPATCH}=1 " + " ".join(self.command()))
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=str(self.out),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(self.out),
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float) -> float:
         start = time.monotonic()
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"omlx serve exited with {self.proc.returncode} before it was ready (see {self.log_path})")
+                raise RuntimeError(
+                    f"omlx serve exited with {self.proc.returncode} before it was ready (see {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as resp:
                     ids = [m.get("id") for m in json.load(resp).get("data", [])]
@@ -450,8 +506,9 @@ class Server:
 def post_chat(base_url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """One /v1/chat/completions call; returns text, finish_reason, prompt_tokens, error."""
     data = json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=data,
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        base_url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
     out: Dict[str, Any] = {"text": None, "finish_reason": None, "prompt_tokens": None, "error": None}
     status = None
     try:
@@ -512,7 +569,9 @@ def vision_cache_note(segment: str) -> str:
     failed = segment.count("Vision feature computation failed")
     note = f"{hits} hit / {misses} miss" if hits or misses else ""
     if failed:
-        note += (", " if note else "") + f"{failed} not cacheable (oMLX: 'Vision feature computation failed, using full pipeline')"
+        note += (
+            ", " if note else ""
+        ) + f"{failed} not cacheable (oMLX: 'Vision feature computation failed, using full pipeline')"
     return note
 
 
@@ -541,8 +600,15 @@ def print_table(results: List[Result], width: int) -> None:
         notes = list(r.notes)
         if r.error:
             notes.insert(0, f"ERROR {r.error}")
-        rows.append((f"{r.name} {r.what}", show(r.expected, width), show(r.got, width), r.match,
-                     "; ".join(brief(n) for n in notes)))
+        rows.append(
+            (
+                f"{r.name} {r.what}",
+                show(r.expected, width),
+                show(r.got, width),
+                r.match,
+                "; ".join(brief(n) for n in notes),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for i, row in enumerate(rows):
         print(" | ".join(cell.ljust(widths[j]) if j < 4 else cell for j, cell in enumerate(row)).rstrip())
@@ -574,14 +640,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=12, help="for every request (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "omlx", help="work folder (default: build/omlx)")
-    ap.add_argument("--log-level", default="debug", help="omlx serve --log-level (default: %(default)s; "
-                    "debug shows the vision-feature cache hits the notes count)")
+    ap.add_argument(
+        "--log-level",
+        default="debug",
+        help="omlx serve --log-level (default: %(default)s; debug shows the vision-feature cache hits the notes count)",
+    )
     ap.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for omlx serve to come up")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per HTTP request")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole run (default: %(default)s)")
     ap.add_argument("--no-prompt-check", action="store_true", help="skip step 3 (in-process prompt comparison)")
     ap.add_argument("--width", type=int, default=48, help="table column width for texts")
-    ap.add_argument("--git-rev", help="test compass-compat as committed at this revision (e.g. HEAD) instead of the checkout")
+    ap.add_argument(
+        "--git-rev", help="test compass-compat as committed at this revision (e.g. HEAD) instead of the checkout"
+    )
     args = ap.parse_args(argv)
 
     if args.git_rev and not os.environ.get(REEXEC):
@@ -589,14 +660,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         env = dict(os.environ, **{REEXEC: f"{args.git_rev} -> {src}"})
         env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
         log(f"re-running on {args.git_rev} exported to {src}")
-        return subprocess.call([sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)], env=env)
+        return subprocess.call(
+            [sys.executable, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)], env=env
+        )
 
     try:
         import omlx  # noqa: F401
 
         import compass_compat  # noqa: F401  (applies the patch in this process: the prompt check loads the model)
     except ImportError as err:
-        print(f"omlx_e2e: run this with the omlx environment's python (.venvs/omlx-0.7.0/bin/python): {err}", file=sys.stderr)
+        print(
+            f"omlx_e2e: run this with the omlx environment's python (.venvs/omlx-0.7.0/bin/python): {err}",
+            file=sys.stderr,
+        )
         return 2
     if not Path(sys.executable).with_name("omlx").exists():
         print(f"omlx_e2e: no omlx executable next to {sys.executable}", file=sys.stderr)
@@ -644,7 +720,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 r.prompt_check = "error: " + entry["error"]
             else:
                 r.prompt_check = "same" if entry["ok"] else "DIFFERS: " + ", ".join(entry["diffs"])
-        log(f"prompt check ({time.monotonic() - t0:.1f} s): " + ", ".join(f"{n} {results[n].prompt_check}" for n in checks))
+        log(
+            f"prompt check ({time.monotonic() - t0:.1f} s): "
+            + ", ".join(f"{n} {results[n].prompt_check}" for n in checks)
+        )
         first = checks[cases[0].name]
         if "prompt_host" in first:
             log(f"host prompt of request {cases[0].name}: {first['prompt_host']!r}")
@@ -723,7 +802,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # 5. verdict
     for r in results.values():
-        if r.prompt_tokens_host is not None and r.prompt_tokens_ref is not None and r.prompt_tokens_host != r.prompt_tokens_ref:
+        if (
+            r.prompt_tokens_host is not None
+            and r.prompt_tokens_ref is not None
+            and r.prompt_tokens_host != r.prompt_tokens_ref
+        ):
             r.notes.append(f"prompt tokens host {r.prompt_tokens_host} vs ref {r.prompt_tokens_ref}")
         if not args.no_prompt_check and r.prompt_check != "same":
             r.notes.append(f"prompt check {r.prompt_check}")
@@ -744,7 +827,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print()
-    print(f"[omlx-e2e] {len(ordered) - len(bad)} of {len(ordered)} requests match" + (f"; failing: {', '.join(bad)}" if bad else ""))
+    print(
+        f"[omlx-e2e] {len(ordered) - len(bad)} of {len(ordered)} requests match"
+        + (f"; failing: {', '.join(bad)}" if bad else "")
+    )
     log(f"details: {out / 'results.json'}")
     return 1 if bad else 0
 

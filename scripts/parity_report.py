@@ -52,9 +52,7 @@ def main() -> None:
     print(f"mlx-vlm {mlx_vlm.__version__}; live implementation: {info}")
     ref = ReferenceFixtures()
     tmp = Path(tempfile.mkdtemp())
-    models = {
-        layout: load_model(build_tiny_checkpoint(tmp / layout, layout=layout)) for layout in ("original", "mlx")
-    }
+    models = {layout: load_model(build_tiny_checkpoint(tmp / layout, layout=layout)) for layout in ("original", "mlx")}
     print("\n| case | layout | prefill max abs diff | decode-step max abs diff | 32 greedy ids identical |")
     print("|---|---|---|---|---|")
     for name in ref.cases:
@@ -76,8 +74,10 @@ def main() -> None:
         case = ref(name)
         a = np.array(prefill(bf16, case).astype(mx.float32))
         b = np.array(prefill(model, case))
-        print(f"bf16 vs fp32 prefill logits, {name}: max abs diff {np.abs(a - b).max():.3f} "
-              f"(nan: {bool(np.isnan(a).any())}; fp32 logit range +-{np.abs(b).max():.1f})")
+        print(
+            f"bf16 vs fp32 prefill logits, {name}: max abs diff {np.abs(a - b).max():.3f} "
+            f"(nan: {bool(np.isnan(a).any())}; fp32 logit range +-{np.abs(b).max():.1f})"
+        )
 
     language = sys.modules[type(model.language_model).__module__]
     contiguous = lambda section, half: np.repeat(np.arange(3), section).astype(np.int32)  # noqa: E731

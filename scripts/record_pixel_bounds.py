@@ -46,19 +46,29 @@ SAMPLES = 16
 
 # The published preprocessor_config.json (SPEC "Image preprocessing").
 PUBLISHED_PREPROCESSOR = dict(
-    image_processor_type="CohereCompassImageProcessor", processor_class="CohereCompassProcessor",
-    do_convert_rgb=True, do_resize=True, resample=3,
+    image_processor_type="CohereCompassImageProcessor",
+    processor_class="CohereCompassProcessor",
+    do_convert_rgb=True,
+    do_resize=True,
+    resample=3,
     size={"shortest_edge": 65536, "longest_edge": 16777216},
-    do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
-    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    patch_size=16, temporal_patch_size=2, merge_size=2,
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
 )
 PUBLISHED_TOKENIZER_BOUNDS = {"min_pixels": 16384, "max_pixels": 3868706}
 # The image_processor block of processor_config.json as mlx-vlm 0.7.10's converter writes it
 # (tests/fixtures/quantized_0710/*/processor_config.json), with the published mean/std.
 CONVERTED_BLOCK = {
     **{k: v for k, v in PUBLISHED_PREPROCESSOR.items() if k != "processor_class"},
-    "size": {"shortest_edge": 16384, "longest_edge": 3868706}, "min_pixels": 16384, "max_pixels": 3868706,
+    "size": {"shortest_edge": 16384, "longest_edge": 3868706},
+    "min_pixels": 16384,
+    "max_pixels": 3868706,
 }
 S = {"shortest_edge": 200704, "longest_edge": 1003520}  # another pair of bounds (784 / 3920 patches)
 
@@ -71,56 +81,75 @@ def _without(d: dict, *keys: str) -> dict:
 # (None: no file), processor_config.json (None: no file).
 FOLDERS: Dict[str, Dict[str, Any]] = {
     "cohere_original": dict(tokenizer=PUBLISHED_TOKENIZER_BOUNDS, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
-    "mlx_conversion": dict(tokenizer=PUBLISHED_TOKENIZER_BOUNDS, preprocessor=PUBLISHED_PREPROCESSOR,
-                           processor={"image_processor": CONVERTED_BLOCK, "processor_class": "CohereCompassProcessor"}),
+    "mlx_conversion": dict(
+        tokenizer=PUBLISHED_TOKENIZER_BOUNDS,
+        preprocessor=PUBLISHED_PREPROCESSOR,
+        processor={"image_processor": CONVERTED_BLOCK, "processor_class": "CohereCompassProcessor"},
+    ),
     # No bounds in tokenizer_config.json, so preprocessor_config.json's.
     "no_tokenizer_bounds": dict(tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
     "tokenizer_min_only": dict(tokenizer={"min_pixels": 16384}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
     "tokenizer_max_only": dict(tokenizer={"max_pixels": 3868706}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None),
-    "tokenizer_size_and_min": dict(tokenizer={"size": S, "min_pixels": 16384}, preprocessor=PUBLISHED_PREPROCESSOR,
-                                   processor=None),
+    "tokenizer_size_and_min": dict(
+        tokenizer={"size": S, "min_pixels": 16384}, preprocessor=PUBLISHED_PREPROCESSOR, processor=None
+    ),
     # processor_config.json's block beats preprocessor_config.json, with nothing else to say.
-    "block_beats_preprocessor": dict(tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR,
-                                     processor={"image_processor": CONVERTED_BLOCK}),
+    "block_beats_preprocessor": dict(
+        tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR, processor={"image_processor": CONVERTED_BLOCK}
+    ),
     # ... and tokenizer_config.json beats the block.
     "tokenizer_beats_block": dict(
-        tokenizer=PUBLISHED_TOKENIZER_BOUNDS, preprocessor=PUBLISHED_PREPROCESSOR,
-        processor={"image_processor": {**_without(CONVERTED_BLOCK, "min_pixels", "max_pixels"), "size": S}}),
-    "block_without_preprocessor": dict(tokenizer={}, preprocessor=None,
-                                       processor={"image_processor": CONVERTED_BLOCK}),
+        tokenizer=PUBLISHED_TOKENIZER_BOUNDS,
+        preprocessor=PUBLISHED_PREPROCESSOR,
+        processor={"image_processor": {**_without(CONVERTED_BLOCK, "min_pixels", "max_pixels"), "size": S}},
+    ),
+    "block_without_preprocessor": dict(tokenizer={}, preprocessor=None, processor={"image_processor": CONVERTED_BLOCK}),
     # A processor_config.json without the block: preprocessor_config.json is read.
-    "processor_config_without_block": dict(tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR,
-                                           processor={"processor_class": "CohereCompassProcessor"}),
+    "processor_config_without_block": dict(
+        tokenizer={}, preprocessor=PUBLISHED_PREPROCESSOR, processor={"processor_class": "CohereCompassProcessor"}
+    ),
     # Legacy keys beside size in one file: the legacy keys win.
-    "legacy_keys_beat_size": dict(tokenizer={}, processor=None,
-                                  preprocessor={**PUBLISHED_PREPROCESSOR, "min_pixels": 200704, "max_pixels": 1003520}),
-    "legacy_min_beside_size": dict(tokenizer={}, processor=None,
-                                   preprocessor={**PUBLISHED_PREPROCESSOR, "min_pixels": 3136}),
+    "legacy_keys_beat_size": dict(
+        tokenizer={},
+        processor=None,
+        preprocessor={**PUBLISHED_PREPROCESSOR, "min_pixels": 200704, "max_pixels": 1003520},
+    ),
+    "legacy_min_beside_size": dict(
+        tokenizer={}, processor=None, preprocessor={**PUBLISHED_PREPROCESSOR, "min_pixels": 3136}
+    ),
 }
 
 # case id -> (folder, from_pretrained kwargs, call kwargs)
 CASES: Dict[str, tuple] = {name: (name, {}, {}) for name in FOLDERS}
-CASES.update({
-    "original/call_min": ("cohere_original", {}, {"min_pixels": 200704}),
-    "original/call_max": ("cohere_original", {}, {"max_pixels": 1003520}),
-    "original/call_size": ("cohere_original", {}, {"size": S}),  # loses to tokenizer_config.json
-    "original/call_size_and_max": ("cohere_original", {}, {"size": S, "max_pixels": 1003520}),
-    "original/call_size_one_edge": ("cohere_original", {}, {"size": {"longest_edge": 1003520}}),
-    "original/load_min": ("cohere_original", {"min_pixels": 200704}, {}),
-    "original/load_size": ("cohere_original", {"size": S}, {}),  # loses to tokenizer_config.json
-    "original/load_min_call_min": ("cohere_original", {"min_pixels": 200704}, {"min_pixels": 65536}),
-    "mlx_conversion/call_min_max": ("mlx_conversion", {}, {"min_pixels": 200704, "max_pixels": 1003520}),
-    "mlx_conversion/load_max": ("mlx_conversion", {"max_pixels": 1003520}, {}),
-    "no_tokenizer_bounds/call_size": ("no_tokenizer_bounds", {}, {"size": S}),
-    "no_tokenizer_bounds/load_size": ("no_tokenizer_bounds", {"size": S}, {}),
-    "no_tokenizer_bounds/load_size_call_size": (
-        "no_tokenizer_bounds", {"size": S}, {"size": {"shortest_edge": 16384, "longest_edge": 3868706}}),
-    "no_tokenizer_bounds/load_min_call_size": (
-        "no_tokenizer_bounds", {"min_pixels": 200704}, {"size": {"shortest_edge": 16384, "longest_edge": 3868706}}),
-    "no_tokenizer_bounds/load_max": ("no_tokenizer_bounds", {"max_pixels": 1003520}, {}),
-    "legacy_min_beside_size/load_size": ("legacy_min_beside_size", {"size": S}, {}),
-    "tokenizer_min_only/load_size_call_max": ("tokenizer_min_only", {"size": S}, {"max_pixels": 1003520}),
-})
+CASES.update(
+    {
+        "original/call_min": ("cohere_original", {}, {"min_pixels": 200704}),
+        "original/call_max": ("cohere_original", {}, {"max_pixels": 1003520}),
+        "original/call_size": ("cohere_original", {}, {"size": S}),  # loses to tokenizer_config.json
+        "original/call_size_and_max": ("cohere_original", {}, {"size": S, "max_pixels": 1003520}),
+        "original/call_size_one_edge": ("cohere_original", {}, {"size": {"longest_edge": 1003520}}),
+        "original/load_min": ("cohere_original", {"min_pixels": 200704}, {}),
+        "original/load_size": ("cohere_original", {"size": S}, {}),  # loses to tokenizer_config.json
+        "original/load_min_call_min": ("cohere_original", {"min_pixels": 200704}, {"min_pixels": 65536}),
+        "mlx_conversion/call_min_max": ("mlx_conversion", {}, {"min_pixels": 200704, "max_pixels": 1003520}),
+        "mlx_conversion/load_max": ("mlx_conversion", {"max_pixels": 1003520}, {}),
+        "no_tokenizer_bounds/call_size": ("no_tokenizer_bounds", {}, {"size": S}),
+        "no_tokenizer_bounds/load_size": ("no_tokenizer_bounds", {"size": S}, {}),
+        "no_tokenizer_bounds/load_size_call_size": (
+            "no_tokenizer_bounds",
+            {"size": S},
+            {"size": {"shortest_edge": 16384, "longest_edge": 3868706}},
+        ),
+        "no_tokenizer_bounds/load_min_call_size": (
+            "no_tokenizer_bounds",
+            {"min_pixels": 200704},
+            {"size": {"shortest_edge": 16384, "longest_edge": 3868706}},
+        ),
+        "no_tokenizer_bounds/load_max": ("no_tokenizer_bounds", {"max_pixels": 1003520}, {}),
+        "legacy_min_beside_size/load_size": ("legacy_min_beside_size", {"size": S}, {}),
+        "tokenizer_min_only/load_size_call_max": ("tokenizer_min_only", {"size": S}, {"max_pixels": 1003520}),
+    }
+)
 # Cases where the reference raises and the vendored processor, on purpose, does not (see the
 # processor's "pixel bounds" notes): not recorded.
 LENIENT = {
@@ -206,8 +235,11 @@ def reference_bounds(processor, call_kwargs: dict) -> list:
     processor and standardized as its ``preprocess`` does."""
     from transformers.models.cohere_compass.processing_cohere_compass import CohereCompassProcessorKwargs
 
-    merged = processor._merge_kwargs(CohereCompassProcessorKwargs, tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
-                                     **copy.deepcopy(call_kwargs))["images_kwargs"]
+    merged = processor._merge_kwargs(
+        CohereCompassProcessorKwargs,
+        tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
+        **copy.deepcopy(call_kwargs),
+    )["images_kwargs"]
     image_processor = processor.image_processor
     for key in image_processor._valid_kwargs_names:
         merged.setdefault(key, getattr(image_processor, key, None))
@@ -216,8 +248,12 @@ def reference_bounds(processor, call_kwargs: dict) -> list:
 
 
 def reference_run(processor, image, call_kwargs: dict) -> dict:
-    out = processor(text=["<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"], images=[image],
-                    return_tensors="np", **copy.deepcopy(call_kwargs))
+    out = processor(
+        text=["<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"],
+        images=[image],
+        return_tensors="np",
+        **copy.deepcopy(call_kwargs),
+    )
     return {
         "tokens": int(np.sum(np.asarray(out["input_ids"]) == processor.image_token_id)),
         "grid": np.asarray(out["image_grid_thw"]).tolist(),
@@ -238,16 +274,27 @@ def record() -> dict:
             runs = {}
             for name, image in images.items():
                 run = reference_run(processor, image, call_kwargs)
-                runs[name] = {"tokens": run["tokens"], "grid": run["grid"],
-                              "pixel_values": summarize(run["pixel_values"])}
-            cases[case] = {"folder": folder_name, "load_kwargs": load_kwargs, "call_kwargs": call_kwargs,
-                           "bounds": reference_bounds(processor, call_kwargs), "images": runs}
-            print(f"{case:45s} bounds {cases[case]['bounds']}  "
-                  + "  ".join(f"{n}: {r['tokens']} tokens" for n, r in runs.items()), flush=True)
+                runs[name] = {
+                    "tokens": run["tokens"],
+                    "grid": run["grid"],
+                    "pixel_values": summarize(run["pixel_values"]),
+                }
+            cases[case] = {
+                "folder": folder_name,
+                "load_kwargs": load_kwargs,
+                "call_kwargs": call_kwargs,
+                "bounds": reference_bounds(processor, call_kwargs),
+                "images": runs,
+            }
+            print(
+                f"{case:45s} bounds {cases[case]['bounds']}  "
+                + "  ".join(f"{n}: {r['tokens']} tokens" for n, r in runs.items()),
+                flush=True,
+            )
     return {
         "made_by": "scripts/record_pixel_bounds.py",
         "reference": f"transformers {transformers.__version__} CohereCompassProcessor "
-                     "(AutoTokenizer + CohereCompassImageProcessorPil)",
+        "(AutoTokenizer + CohereCompassImageProcessorPil)",
         "images": {name: list(hw) for name, hw in IMAGES.items()},
         "cases": cases,
     }

@@ -434,7 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     total = sum(p.stat().st_size for p in args.out.iterdir())
     print(f"wrote {len(results)} cases to {args.out} ({total / 2**20:.1f} MiB)")
     for name, case in index["cases"].items():
-        print(f"  {name:12s} L={case['seq_len']:4d} margin={case['greedy_min_margin']:.3f} greedy={case['greedy_ids'][:12]}")
+        print(
+            f"  {name:12s} L={case['seq_len']:4d} margin={case['greedy_min_margin']:.3f} greedy={case['greedy_ids'][:12]}"
+        )
 
 
 if __name__ == "__main__":

@@ -11,9 +11,19 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = [
-    "<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>",
-    "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
-    "<|SYSTEM_TOKEN|>", "<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>",
+    "<PAD>",
+    "<UNK>",
+    "<BOS_TOKEN>",
+    "<EOS_TOKEN>",
+    "<|START_OF_TURN_TOKEN|>",
+    "<|END_OF_TURN_TOKEN|>",
+    "<|USER_TOKEN|>",
+    "<|CHATBOT_TOKEN|>",
+    "<|SYSTEM_TOKEN|>",
+    "<|VISION_START|>",
+    "<|VISION_END|>",
+    "<|IMAGE_PAD|>",
+    "<|VIDEO_PAD|>",
 ]
 WORDS = "describe this image what is in the a cat dog and compare two images picture . ? , hello".split()
 

@@ -178,7 +178,10 @@ def single_prefill(model, row: Row):
     """One row alone, with the model's own single-sequence caches (as hosts prefill)."""
     cache = model.language_model.make_cache()
     model.language_model(
-        None, inputs_embeds=row.embeds, cache=cache, position_ids=row.positions,
+        None,
+        inputs_embeds=row.embeds,
+        cache=cache,
+        position_ids=row.positions,
         deepstack_visual_embeds=row.deepstack,
     )
     return cache
@@ -200,8 +203,11 @@ def test_merge_filter_extend_extract_keep_every_row_right(model, reference, modu
     if module.__name__.startswith("mlx_lm") and Version(importlib.metadata.version("mlx-lm")) < Version("0.29"):
         # mlx-lm 0.28's BatchRotatingKVCache.merge slices by offset, not by the buffer it holds:
         # a cache prefilled past its window cannot be merged (the pin's bug, fixed by 0.31).
-        request.applymarker(pytest.mark.xfail(raises=ValueError, strict=True,
-                                              reason="mlx-lm 0.28 cannot merge a rotating cache past its window"))
+        request.applymarker(
+            pytest.mark.xfail(
+                raises=ValueError, strict=True, reason="mlx-lm 0.28 cannot merge a rotating cache past its window"
+            )
+        )
     names = ["img_448", "text_medium", "text_long"]
     rows = [Row(model, reference(n)) for n in names]
     cache = merged(module, [single_prefill(model, r) for r in rows])
@@ -313,8 +319,11 @@ def test_primed_delta_positions_a_cached_prefix_suffix(model, reference):
     cache = model.language_model.make_cache()
     cut = case["input_ids"].shape[1] - 6  # the suffix is the last six (text) tokens
     model.language_model(
-        None, inputs_embeds=emb.inputs_embeds[:, :cut], cache=cache,
-        position_ids=emb.position_ids[..., :cut], deepstack_visual_embeds=emb.deepstack_visual_embeds[:, :cut],
+        None,
+        inputs_embeds=emb.inputs_embeds[:, :cut],
+        cache=cache,
+        position_ids=emb.position_ids[..., :cut],
+        deepstack_visual_embeds=emb.deepstack_visual_embeds[:, :cut],
     )
     _, deltas = model.language_model.get_rope_index(ids, mx.array(case["image_grid_thw"]))
     out = model.language_model(ids[:, cut:], cache=cache, rope_deltas=deltas).logits
@@ -337,8 +346,12 @@ def test_chunked_batched_prefill_matches_the_reference(model, reference, module,
     pieces = []
     for s in range(0, width, chunk):
         out = model.language_model(
-            None, inputs_embeds=embeds[:, s : s + chunk], cache=cache, position_ids=positions[..., s : s + chunk],
-            deepstack_visual_embeds=deepstack[:, s : s + chunk], rope_deltas=deltas,
+            None,
+            inputs_embeds=embeds[:, s : s + chunk],
+            cache=cache,
+            position_ids=positions[..., s : s + chunk],
+            deepstack_visual_embeds=deepstack[:, s : s + chunk],
+            rope_deltas=deltas,
         ).logits
         pieces.append(out)
     check_prefill(rows, mx.concatenate(pieces, axis=1), names, "chunked batched prefill")
@@ -348,8 +361,11 @@ def test_chunked_batched_prefill_matches_the_reference(model, reference, module,
 
 @needs_batch_caches
 @pytest.mark.parametrize("module", CACHE_MODULES)
-@pytest.mark.xfail(strict=True, reason="mlx-lm/mlx-vlm BatchRotatingKVCache: a one-column chunk in a left-padded "
-                   "prefill gives wrong attention to a row whose padding exceeds the window (not ours; documented)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="mlx-lm/mlx-vlm BatchRotatingKVCache: a one-column chunk in a left-padded "
+    "prefill gives wrong attention to a row whose padding exceeds the window (not ours; documented)",
+)
 def test_known_upstream_bug_one_column_prefill_chunk_in_a_rotating_batch_cache(module):
     """Plain attention, no model of ours: the chunking of a prefill must not change a row's output.
 
@@ -373,4 +389,4 @@ def test_known_upstream_bug_one_column_prefill_chunk_in_a_rotating_batch_cache(m
 
     whole, cut = attend([]), attend([134, 135])
     for b in range(2):
-        assert mx.allclose(whole[b, :, pads[b]:], cut[b, :, pads[b]:], atol=1e-5), f"row {b} depends on the chunking"
+        assert mx.allclose(whole[b, :, pads[b] :], cut[b, :, pads[b] :], atol=1e-5), f"row {b} depends on the chunking"

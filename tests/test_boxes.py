@@ -48,7 +48,10 @@ B = GridBox
         ("[.5, 0, 1., 2]", [B(0.5, 0, 1, 2)]),
         ("[007, 0, 10, 10]", [B(7, 0, 10, 10)]),
         ("[0, 0, 1000, 1000]", [B(0, 0, 1000, 1000)]),  # the edges of the grid are in
-        ("[500, 100, 500, 200] [100, 500, 200, 500]", [B(500, 100, 500, 200), B(100, 500, 200, 500)]),  # zero width/height
+        (
+            "[500, 100, 500, 200] [100, 500, 200, 500]",
+            [B(500, 100, 500, 200), B(100, 500, 200, 500)],
+        ),  # zero width/height
         ("[1, 2, 3, 4] again [1, 2, 3, 4]", [B(1, 2, 3, 4), B(1, 2, 3, 4)]),  # duplicates kept, in order
         ("[2019, 2020, 2021, 2022] then [10, 20, 30, 40]", [B(10, 20, 30, 40)]),  # rejected ones do not hide the rest
         ("[600, 80, 120, 900] and [120, 80, 560, 900]", [B(120, 80, 560, 900)]),
@@ -88,14 +91,17 @@ def test_find_boxes(text, boxes):
         ("[0, -2.5, 10, 10]", ["-2.5 is outside 0..1000"]),
         ("[600, 80, 120, 900]", ["x1 > x2 (600 > 120)"]),
         ("[120, 900, 560, 80.5]", ["y1 > y2 (900 > 80.5)"]),
-        ("[2019, 2020, 2021, 2022] [5, 5, 1, 1] [0, 0, 1, 1] [1, 2, 3]", ["2019 is outside 0..1000", "x1 > x2 (5 > 1)", None]),
+        (
+            "[2019, 2020, 2021, 2022] [5, 5, 1, 1] [0, 0, 1, 1] [1, 2, 3]",
+            ["2019 is outside 0..1000", "x1 > x2 (5 > 1)", None],
+        ),
     ],
 )
 def test_scan_boxes_says_why_a_list_is_rejected(text, problems):
     matches = scan_boxes(text)
     assert [m.problem for m in matches] == problems
     for m in matches:
-        bracket = text[m.start:m.end]
+        bracket = text[m.start : m.end]
         assert bracket.startswith("[") and bracket.endswith("]")
         assert m.values == tuple(float(v) for v in bracket[1:-1].split(","))
         assert m.box == (GridBox(*m.values) if m.problem is None else None)
@@ -163,7 +169,9 @@ def test_scaling_refuses_a_bad_size(size):
         to_pixels(GridBox(0, 0, 1, 1), size)
 
 
-@pytest.mark.parametrize("value, text", [(12.0, "12"), (12.5, "12.5"), (76.8125, "76.81"), (0.0, "0"), (-0.001, "0"), (1000.0, "1000")])
+@pytest.mark.parametrize(
+    "value, text", [(12.0, "12"), (12.5, "12.5"), (76.8125, "76.81"), (0.0, "0"), (-0.001, "0"), (1000.0, "1000")]
+)
 def test_format_number(value, text):
     assert format_number(value) == text
 
@@ -297,7 +305,7 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
-ANSWER = 'The compass is at [100, 2', '00, 600, 900] and the sun at {"bbox_2d": [700,50, 950 , 400]}.'
+ANSWER = "The compass is at [100, 2", '00, 600, 900] and the sun at {"bbox_2d": [700,50, 950 , 400]}.'
 
 
 def test_draw_boxes_end_to_end(generated, capsys, tmp_path):
@@ -329,7 +337,10 @@ def test_no_verbose_keeps_stdout_to_the_text(generated, capsys, tmp_path):
     generated.chunks = ["[10, 20, 30, 40]"]
     code, out, err = run(capsys, "generate", "--no-verbose", "--draw-boxes", tmp_path / "b.png")
     assert code == 0 and out == "[10, 20, 30, 40]\n"
-    assert "[compass-compat] Boxes: 1 found" in err and "[compass-compat]   1: [10, 20, 30, 40] -> (3.2, 4.8, 9.6, 9.6)" in err
+    assert (
+        "[compass-compat] Boxes: 1 found" in err
+        and "[compass-compat]   1: [10, 20, 30, 40] -> (3.2, 4.8, 9.6, 9.6)" in err
+    )
 
 
 def test_no_boxes_writes_an_unannotated_copy_and_says_so(generated, capsys, tmp_path):
@@ -357,7 +368,16 @@ def test_several_images_draw_on_the_first_unless_told(generated, capsys, tmp_pat
     assert Image.open(tmp_path / "a.png").size == (320, 256)
 
     code, out, err = run(
-        capsys, "generate", "--image", first, "--image", second, "--draw-boxes", tmp_path / "b.png", "--box-image-index", "1"
+        capsys,
+        "generate",
+        "--image",
+        first,
+        "--image",
+        second,
+        "--draw-boxes",
+        tmp_path / "b.png",
+        "--box-image-index",
+        "1",
     )
     assert code == 0, err
     assert f"pixels of {second} (640x480, image 1 of 2):" in out and "  1: [0, 0, 500, 500] -> (0, 0, 320, 240)" in out
@@ -387,7 +407,10 @@ def test_real_generation_on_the_default_checkpoint(capsys, tmp_path, monkeypatch
         (["--draw-boxes", "{tmp}/folder.png"], "--draw-boxes {tmp}/folder.png: is a folder"),
         (["--draw-boxes", "{tmp}/o.txt"], "name an image file Pillow can write (.png, .jpg, ...)"),
         (["--draw-boxes", "{tmp}/o"], "name an image file Pillow can write"),
-        (["--draw-boxes", "{tmp}/o.png", "--box-image-index", "1"], "--box-image-index 1: out of range for 1 image (0 is the first)"),
+        (
+            ["--draw-boxes", "{tmp}/o.png", "--box-image-index", "1"],
+            "--box-image-index 1: out of range for 1 image (0 is the first)",
+        ),
         (["--draw-boxes", "{tmp}/o.png", "--box-image-index", "-1"], "--box-image-index -1: out of range"),
         (["--box-image-index", "0"], "--box-image-index needs --draw-boxes"),
     ],

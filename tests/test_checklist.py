@@ -40,7 +40,11 @@ def run_checklist(*args: str, env: Optional[Dict[str, str]] = None) -> subproces
     so the forced 0.7.10 matrix pass also shows the checklist picks its own target)."""
     return subprocess.run(
         [sys.executable, "-m", "compass_compat.checklist", *args],
-        capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -113,9 +117,7 @@ def test_vendored_copy_passes_what_it_must(vendored_report):
     """Ours passes the model items on every pin: the checks can be met."""
     verdicts = vendored_report["verdicts"]
     model_items = ("2", "3", "4", "7", "8", "9", "10")
-    assert {n: verdicts[n] for n in model_items} == dict.fromkeys(model_items, "PASS"), (
-        describe(vendored_report)
-    )
+    assert {n: verdicts[n] for n in model_items} == dict.fromkeys(model_items, "PASS"), describe(vendored_report)
     assert vendored_report["live_package"].endswith(os.path.join("mlx_vlm", "models", "cohere_compass"))
     assert "/vendor/" in vendored_report["live_package"] or "/_vendor/" in vendored_report["live_package"]
 
@@ -300,11 +302,17 @@ PLAN = {
 @pytest.fixture(scope="module")
 def defects() -> Dict[str, Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_FORCE_VENDORED"}
-    proc = subprocess.run([sys.executable, "-c", DEFECTS_DRIVER, json.dumps(PLAN)], capture_output=True,
-                          text=True, timeout=TIMEOUT, cwd=REPO, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", DEFECTS_DRIVER, json.dumps(PLAN)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=REPO,
+        env=env,
+    )
     line = next((row for row in proc.stdout.splitlines() if row.startswith("DEFECTS-JSON ")), None)
     assert line, f"defect driver failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads(line[len("DEFECTS-JSON "):])
+    results = json.loads(line[len("DEFECTS-JSON ") :])
     for name, report in results.items():
         assert report["error"] is None, f"{name}: {report['error']}"
         assert report["live_package"] and "vendor" in report["live_package"], name

@@ -25,7 +25,11 @@ def cli_env(home: Path) -> dict:
 def run_cli(*args, home: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "compass_compat", *map(str, args)],
-        capture_output=True, text=True, env=cli_env(home), cwd=str(home), timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=cli_env(home),
+        cwd=str(home),
+        timeout=timeout,
     )
     if check:
         assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -108,8 +112,18 @@ def test_generate_prints_the_transformers_greedy_text(capsys, tiny_ckpt_original
     for f in meta["images"]:
         images += ["--image", fixture_images[f]]  # repeated --image, as in mlx-vlm's CLI
     code, out, err = main_in_process(
-        capsys, "generate", "--model", str(tiny_ckpt_original), *map(str, images), "--prompt", prompt,
-        "--max-tokens", str(len(case["greedy_ids"])), "--temperature", "0", "--no-verbose",
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_ckpt_original),
+        *map(str, images),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(len(case["greedy_ids"])),
+        "--temperature",
+        "0",
+        "--no-verbose",
     )
     assert code == 0, err
     assert out.rstrip("\n") == _reference_text(case, tiny_ckpt_original)
@@ -123,8 +137,17 @@ def test_convert_quantizes_through_the_patched_mlx_vlm_converter(tmp_path, tiny_
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # convert hands its flags to mlx-vlm via sys.argv
     out = tmp_path / "q4"
     code, stdout, stderr = main_in_process(
-        capsys, "convert", "--hf-path", str(tiny_ckpt_original), "--mlx-path", str(out),
-        "-q", "--q-bits", "4", "--q-group-size", "64",
+        capsys,
+        "convert",
+        "--hf-path",
+        str(tiny_ckpt_original),
+        "--mlx-path",
+        str(out),
+        "-q",
+        "--q-bits",
+        "4",
+        "--q-group-size",
+        "64",
     )
     assert code == 0, stderr
     assert "Quantiz" in stdout + stderr  # mlx-vlm's own progress lines
@@ -159,8 +182,20 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
         (["--help"], ["generate", "server", "convert", "run", "info"]),
         (
             ["generate", "--help"],
-            ["--model", "--image", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-             "generation_config.json", "--draw-boxes", "--box-image-index", "RANDOM"],
+            [
+                "--model",
+                "--image",
+                "--prompt",
+                "--max-tokens",
+                "--temperature",
+                "--top-p",
+                "--top-k",
+                "--seed",
+                "generation_config.json",
+                "--draw-boxes",
+                "--box-image-index",
+                "RANDOM",
+            ],
         ),
         (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
         (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
@@ -183,13 +218,22 @@ def test_every_subcommand_has_help(capsys, monkeypatch, argv, words):
     [
         (["generate", "--model", "/nonexistent/ckpt"], "model folder not found: /nonexistent/ckpt"),
         (["generate", "--model", "{tmp}"], "has no config.json: it is not a model checkpoint folder"),
-        (["generate", "--model", "{ckpt}", "--image", "/nonexistent/pic.png"], "image file not found: /nonexistent/pic.png"),
+        (
+            ["generate", "--model", "{ckpt}", "--image", "/nonexistent/pic.png"],
+            "image file not found: /nonexistent/pic.png",
+        ),
         (["generate", "--model", "{ckpt}", "--image", "{ckpt}/config.json", "--no-image"], "--no-image and --image"),
-        (["convert", "--hf-path", "/nonexistent/ckpt", "--mlx-path", "{tmp}/out"], "checkpoint folder not found: /nonexistent/ckpt"),
+        (
+            ["convert", "--hf-path", "/nonexistent/ckpt", "--mlx-path", "{tmp}/out"],
+            "checkpoint folder not found: /nonexistent/ckpt",
+        ),
         (["convert", "--mlx-path", "{tmp}/out"], "--hf-path is required"),
         (["server", "--model", "/nonexistent/ckpt", "--port", "1"], "model folder not found: /nonexistent/ckpt"),
         (["run"], "run needs a command"),
-        (["run", "--", "compass-compat-no-such-command-4711"], "command not found: compass-compat-no-such-command-4711"),
+        (
+            ["run", "--", "compass-compat-no-such-command-4711"],
+            "command not found: compass-compat-no-such-command-4711",
+        ),
     ],
 )
 def test_errors_say_what_is_missing(capsys, tmp_path, tiny_ckpt_original, argv, message):

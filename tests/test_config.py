@@ -20,8 +20,14 @@ PUBLISHED_ROPE = {
 
 
 def text(**kw):
-    base = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=4,
-                layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=PUBLISHED_ROPE)
+    base = dict(
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters=PUBLISHED_ROPE,
+    )
     base.update(kw)
     return cfg.TextConfig.from_dict(base)
 
@@ -62,12 +68,21 @@ def test_layer_types_default_to_full_attention():
 
 
 def test_unknown_keys_are_ignored():
-    c = cfg.ModelConfig.from_dict({
-        "model_type": "cohere_compass", "fusion_config": {"patch_embeddings": True}, "something_new": 1,
-        "text_config": dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, surprise=True,
-                            rope_parameters={"rope_theta": 10000, "mrope_section": [4, 2, 2]}),
-        "vision_config": {"model_type": "cohere_compass", "unknown": 3},
-    })
+    c = cfg.ModelConfig.from_dict(
+        {
+            "model_type": "cohere_compass",
+            "fusion_config": {"patch_embeddings": True},
+            "something_new": 1,
+            "text_config": dict(
+                hidden_size=64,
+                num_attention_heads=4,
+                num_hidden_layers=1,
+                surprise=True,
+                rope_parameters={"rope_theta": 10000, "mrope_section": [4, 2, 2]},
+            ),
+            "vision_config": {"model_type": "cohere_compass", "unknown": 3},
+        }
+    )
     assert c.text_config.hidden_size == 64
     assert c.vision_config.model_type == "cohere_compass_vision"  # very old checkpoints: accepted
 
@@ -85,7 +100,9 @@ def tie_config(top, text):
 # (no lm_head stored and not tied: newly initialised). Its text_config key is never read.
 REFERENCE_HEAD = {
     (top, text, stored): ("stored" if stored else "embedding" if top else "random")
-    for top in (None, True, False) for text in (None, True, False) for stored in (False, True)
+    for top in (None, True, False)
+    for text in (None, True, False)
+    for stored in (False, True)
 }
 
 

@@ -66,9 +66,7 @@ def test_split_linear_is_bit_identical(lanes, name, shape):
     assert mx.allclose(one, plain, atol=1e-5, rtol=1e-5).item()
 
 
-@pytest.mark.parametrize(
-    "mask", [None, "causal", "array"], ids=["no-mask", "causal", "bool-array"]
-)
+@pytest.mark.parametrize("mask", [None, "causal", "array"], ids=["no-mask", "causal", "bool-array"])
 def test_split_attention_is_bit_identical(lanes, mask):
     key = mx.random.key(5)
     q = mx.random.normal((1, 8, 9, 16), key=key)
@@ -93,8 +91,7 @@ _MASKS = {
     # Causal over the last L of S keys, as the decoder builds it with a cache.
     "causal-2d": lambda L, S: mx.arange(S)[None] <= mx.arange(S - L, S)[:, None],
     "window-4d": lambda L, S: (
-        (mx.arange(S)[None] <= mx.arange(S - L, S)[:, None])
-        & (mx.arange(S)[None] > mx.arange(S - L, S)[:, None] - 37)
+        (mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]) & (mx.arange(S)[None] > mx.arange(S - L, S)[:, None] - 37)
     )[None, None],
     # Padding only: one row broadcast over every query.
     "padding": lambda L, S: (mx.arange(S) >= 5)[None, None, None, :],
@@ -116,7 +113,8 @@ def test_attention_in_query_blocks_is_bit_identical(lanes, monkeypatch, mask_kin
     calls = []
     original = mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(
-        cpu_lanes.mx.fast, "scaled_dot_product_attention",
+        cpu_lanes.mx.fast,
+        "scaled_dot_product_attention",
         lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
     )
     blocked = cpu_lanes.attention(q, k, v, 0.25, mask)
@@ -254,7 +252,9 @@ def no_pieces(monkeypatch):
     """Fail if ``linear`` cuts a layer into row pieces (``_rows``); yields the calls made."""
     calls = []
     original = cpu_lanes._rows
-    monkeypatch.setattr(cpu_lanes, "_rows", lambda layer, x, a, b, after=None: calls.append((a, b)) or original(layer, x, a, b, after))
+    monkeypatch.setattr(
+        cpu_lanes, "_rows", lambda layer, x, a, b, after=None: calls.append((a, b)) or original(layer, x, a, b, after)
+    )
     return calls
 
 
@@ -312,7 +312,8 @@ def test_decode_attention_is_one_plain_call(lanes, monkeypatch):
     calls = []
     original = mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(
-        cpu_lanes.mx.fast, "scaled_dot_product_attention",
+        cpu_lanes.mx.fast,
+        "scaled_dot_product_attention",
         lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
     )
     lanes(2)  # threshold 0: split over the lanes by KV-head groups
@@ -381,7 +382,8 @@ def test_off_the_cpu_the_dispatch_adds_no_op(lanes, monkeypatch, tiny_ckpt_mlx):
     dispatched = graphs()
     monkeypatch.setattr(cpu_lanes, "linear", lambda layer, x, out_dtype=None: _plain(layer, x))
     monkeypatch.setattr(
-        cpu_lanes, "attention",
+        cpu_lanes,
+        "attention",
         lambda q, k, v, scale, mask=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
     )
     assert graphs() == dispatched

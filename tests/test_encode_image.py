@@ -47,7 +47,7 @@ def test_images_encoded_separately_then_concatenated(model, reference):
     pv = case["pixel_values"]
     parts = [
         model.encode_image(mx.array(pv[: patches[0]]), grid[:1]),
-        model.encode_image(mx.array(pv[patches[0]:]), grid[1:]),
+        model.encode_image(mx.array(pv[patches[0] :]), grid[1:]),
     ]
     joined = compass.concat_image_features(parts)
     assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=joined))
@@ -172,8 +172,9 @@ def test_mlx_vlm_vision_cache_path(tiny_ckpt_original, reference, fixture_images
     runs = []
     for _ in range(2):
         seen = {}
-        for r in stream_generate(model, processor, case["meta"]["prompt"], image=[image], max_tokens=16,
-                                 temperature=0.0, vision_cache=cache):
+        for r in stream_generate(
+            model, processor, case["meta"]["prompt"], image=[image], max_tokens=16, temperature=0.0, vision_cache=cache
+        ):
             seen.setdefault(r.generation_tokens, int(r.token))
         runs.append([seen[k] for k in sorted(seen)])
     assert runs[0] == runs[1] == case["greedy_ids"].tolist()[:16]

@@ -106,7 +106,9 @@ def cli_text(capsys, path: Path, *flags: str) -> str:
 
 @pytest.fixture(scope="module")
 def published(base, tmp_path_factory) -> Path:
-    return with_generation_config(base, tmp_path_factory.mktemp("gencfg_published"), GENERATION_CONFIGS["published"](token_ids()))
+    return with_generation_config(
+        base, tmp_path_factory.mktemp("gencfg_published"), GENERATION_CONFIGS["published"](token_ids())
+    )
 
 
 def test_the_published_sampling_defaults_change_the_text(published):
@@ -161,13 +163,16 @@ def test_top_k_is_passed_where_mlx_vlm_honours_it_and_refused_where_not(capsys, 
         assert code == 2 and "--top-k" in err and "top_k" in err and out == "", err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--temperature", "-0.5"], "--temperature: must be at least 0"),
-    (["--temperature", "nan"], "--temperature: must be at least 0"),
-    (["--top-p", "1.5"], "--top-p: must be between 0 and 1"),
-    (["--top-k", "-1"], "--top-k: must be at least 0"),
-    (["--top-k", "2.5"], "--top-k: not an integer"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "-0.5"], "--temperature: must be at least 0"),
+        (["--temperature", "nan"], "--temperature: must be at least 0"),
+        (["--top-p", "1.5"], "--top-p: must be between 0 and 1"),
+        (["--top-k", "-1"], "--top-k: must be at least 0"),
+        (["--top-k", "2.5"], "--top-k: not an integer"),
+    ],
+)
 def test_bad_sampling_values_are_refused_before_loading(capsys, published, argv, message):
     code, out, err = run_cli(capsys, published, *argv)
     assert code == 2 and message in err and out == ""

@@ -48,8 +48,20 @@ def host_env(**extra: str) -> Dict[str, str]:
 
 def generate_argv(model: Path, image: Path) -> List[str]:
     # Flags every pin's mlx_vlm.generate accepts (0.3.9 to 0.7.10).
-    return ["-m", "mlx_vlm.generate", "--model", str(model), "--image", str(image), "--prompt", PROMPT,
-            "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
+    return [
+        "-m",
+        "mlx_vlm.generate",
+        "--model",
+        str(model),
+        "--image",
+        str(image),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--temperature",
+        "0",
+    ]
 
 
 STATE_PROBE = textwrap.dedent(
@@ -76,14 +88,20 @@ def baseline_python(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("baseline") / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(purelib) / "_pin_env_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
 
 @pytest.fixture(scope="module")
-def runs(baseline_python, tiny_ckpt_original, fixture_images, tmp_path_factory) -> Dict[str, subprocess.CompletedProcess]:
+def runs(
+    baseline_python, tiny_ckpt_original, fixture_images, tmp_path_factory
+) -> Dict[str, subprocess.CompletedProcess]:
     """Every heavy subprocess of this module, started together, awaited together."""
     image = fixture_images["synth_320x256.png"]
     cwd = tmp_path_factory.mktemp("hosts")  # outside the repo: `python -m` puts the cwd on sys.path
@@ -93,7 +111,10 @@ def runs(baseline_python, tiny_ckpt_original, fixture_images, tmp_path_factory) 
         "without the package": ([str(baseline_python), *gen], host_env()),
         "state, not opted in": ([sys.executable, "-c", STATE_PROBE, str(tiny_ckpt_original)], host_env()),
         "opted in": ([sys.executable, *gen], host_env(**{startup.ENV: "1"})),
-        "state, opted in (TRUE)": ([sys.executable, "-c", STATE_PROBE, str(tiny_ckpt_original)], host_env(**{startup.ENV: "TRUE"})),
+        "state, opted in (TRUE)": (
+            [sys.executable, "-c", STATE_PROBE, str(tiny_ckpt_original)],
+            host_env(**{startup.ENV: "TRUE"}),
+        ),
         "run --": ([sys.executable, "-m", "compass_compat", "run", "--", sys.executable, *gen], host_env()),
     }
     procs = {
@@ -117,9 +138,22 @@ def cli_text(tiny_ckpt_original, fixture_images) -> str:
     """The greedy text ``python -m compass_compat generate`` prints for the same inputs."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["generate", "--model", str(tiny_ckpt_original), "--image",
-                         str(fixture_images["synth_320x256.png"]), "--prompt", PROMPT,
-                         "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-verbose"])
+        code = cli.main(
+            [
+                "generate",
+                "--model",
+                str(tiny_ckpt_original),
+                "--image",
+                str(fixture_images["synth_320x256.png"]),
+                "--prompt",
+                PROMPT,
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--temperature",
+                "0",
+                "--no-verbose",
+            ]
+        )
     assert code == 0
     return out.getvalue().strip()
 
@@ -137,8 +171,10 @@ def describe(proc: subprocess.CompletedProcess) -> str:
 
 def test_the_startup_hook_is_installed_and_is_the_shipped_file():
     hooks = startup.installed_hooks()
-    assert hooks, (f"{startup.PTH_NAME} is not in this env's site-packages; reinstall the package "
-                   "(pip install --no-deps -e .) so the host tests mean something")
+    assert hooks, (
+        f"{startup.PTH_NAME} is not in this env's site-packages; reinstall the package "
+        "(pip install --no-deps -e .) so the host tests mean something"
+    )
     for hook in hooks:
         assert hook.read_text() == startup.PTH_SOURCE.read_text()
 
@@ -157,8 +193,15 @@ def test_not_opted_in_costs_no_import(tmp_path):
     seen = {}
     for value in (None, "", "0", "off", "false", "no", "maybe"):
         env = host_env() if value is None else host_env(**{startup.ENV: value})
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
-                             cwd=str(tmp_path), check=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(tmp_path),
+            check=True,
+            timeout=60,
+        )
         seen[value] = set(json.loads(out.stdout))
         assert not {m for m in seen[value] if m.split(".")[0] in HEAVY}, value
         assert not out.stderr, out.stderr

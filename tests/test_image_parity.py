@@ -24,7 +24,9 @@ def model(tiny_ckpt_original):
 def test_position_ids_and_rope_delta_match_reference(model, reference, name):
     case = reference(name)
     pos, deltas = language.get_rope_index(
-        case["input_ids"], case["image_grid_thw"], model.config.image_token_id,
+        case["input_ids"],
+        case["image_grid_thw"],
+        model.config.image_token_id,
         model.config.vision_config.spatial_merge_size,
     )
     np.testing.assert_array_equal(pos, case["position_ids"])
@@ -92,6 +94,9 @@ def test_dropping_an_image_raises_the_count_error(model, reference):
     grid = case["image_grid_thw"]
     per_image = [int(t * (h // 2) * (w // 2)) for t, h, w in grid]
     pv = mx.array(case["pixel_values"][: int(grid[0].prod())])
-    with pytest.raises(ValueError, match=f"{sum(per_image)} image tokens but the image features cover {per_image[0]} tokens"):
-        model(mx.array(case["input_ids"]), pv, cache=model.language_model.make_cache(),
-              image_grid_thw=mx.array(grid[:1]))
+    with pytest.raises(
+        ValueError, match=f"{sum(per_image)} image tokens but the image features cover {per_image[0]} tokens"
+    ):
+        model(
+            mx.array(case["input_ids"]), pv, cache=model.language_model.make_cache(), image_grid_thw=mx.array(grid[:1])
+        )

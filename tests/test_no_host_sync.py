@@ -32,8 +32,18 @@ class HostSyncError(AssertionError):
 
 # Methods of mx.array that evaluate the array and hand its data to Python.
 _ARRAY_METHODS = (
-    "item", "tolist", "__array__", "__int__", "__float__", "__bool__", "__index__",
-    "__repr__", "__str__", "__format__", "__dlpack__", "__getstate__",
+    "item",
+    "tolist",
+    "__array__",
+    "__int__",
+    "__float__",
+    "__bool__",
+    "__index__",
+    "__repr__",
+    "__str__",
+    "__format__",
+    "__dlpack__",
+    "__getstate__",
 )
 # numpy entry points that copy a device array to the host (np.array uses the buffer protocol,
 # which no Python attribute of mx.array controls, so it is caught here).

@@ -36,7 +36,7 @@ def test_omlx_serve_matches_compass_compat_generate():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=660, cwd=str(ROOT))
     (out / "e2e.log").write_text(proc.stdout + proc.stderr, encoding="utf-8")
     print(proc.stdout)
-    table = proc.stdout[proc.stdout.find("request "):] if "request " in proc.stdout else proc.stdout[-4000:]
+    table = proc.stdout[proc.stdout.find("request ") :] if "request " in proc.stdout else proc.stdout[-4000:]
     assert proc.returncode == 0, (
         f"omlx_e2e.py exited {proc.returncode} (log: {out / 'e2e.log'}, server: {out / 'serve.log'}):\n"
         f"{table}\n{proc.stderr[-2000:]}"

@@ -61,7 +61,8 @@ def _has_reference() -> bool:
 needs_reference = pytest.mark.skipif(
     not _has_reference(),
     reason="the live reference is transformers >= 5.21 (the 0.6.12 / 0.7.10 envs); this env compares "
-           "with tests/fixtures/pixel_bounds.json (recorded from transformers 5.24) instead")
+    "with tests/fixtures/pixel_bounds.json (recorded from transformers 5.24) instead",
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,9 @@ def ours(folder, case):
 
 
 def run_ours(processor, image, call_kwargs):
-    out = processor(text=["<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"], images=[image],
-                    return_tensors="np", **call_kwargs)
+    out = processor(
+        text=["<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"], images=[image], return_tensors="np", **call_kwargs
+    )
     return {
         "tokens": int(np.sum(np.asarray(out["input_ids"]) == processor.image_token_id)),
         "grid": np.asarray(out["image_grid_thw"]).tolist(),
@@ -123,8 +125,9 @@ def test_processor_matches_the_recorded_reference(case, folders, images):
     warnings.simplefilter("ignore", FutureWarning)
     processor, call_kwargs = ours(folders[rec.CASES[case][0]], case)
     for name, image in images.items():
-        assert_matches_summary(run_ours(processor, image, call_kwargs), FIXTURE["cases"][case]["images"][name],
-                               f"{case} {name}")
+        assert_matches_summary(
+            run_ours(processor, image, call_kwargs), FIXTURE["cases"][case]["images"][name], f"{case} {name}"
+        )
 
 
 @pytest.mark.parametrize("case", list(rec.CASES))
@@ -145,7 +148,9 @@ def test_bounds_match_the_recorded_reference(case, folders):
 def test_sources_name_the_deciding_file(folders):
     original = pixel_bounds(folders["cohere_original"])
     assert (original.min_source, original.max_source) == (
-        "tokenizer_config.json min_pixels", "tokenizer_config.json max_pixels")
+        "tokenizer_config.json min_pixels",
+        "tokenizer_config.json max_pixels",
+    )
     assert original.image_config_file == "preprocessor_config.json"
     block = pixel_bounds(folders["block_beats_preprocessor"])
     assert block.image_config_file == "processor_config.json image_processor"
@@ -214,7 +219,9 @@ def test_tiny_checkpoint_bounds_are_its_tokenizer_configs(tmp_path, layout):
     assert (bounds.min_pixels, bounds.max_pixels) == (want["min_pixels"], want["max_pixels"])
     assert (bounds.min_pixels, bounds.max_pixels) != (size["shortest_edge"], size["longest_edge"])
     assert (bounds.min_source, bounds.max_source) == (
-        "tokenizer_config.json min_pixels", "tokenizer_config.json max_pixels")
+        "tokenizer_config.json min_pixels",
+        "tokenizer_config.json max_pixels",
+    )
 
 
 # ------------------------------------------------------------------ mlx_vlm.utils.load
@@ -263,8 +270,11 @@ def test_checks_accept_the_published_layouts(loadable):
 def test_checks_refuse_bad_tokenizer_bounds(loadable, tmp_path):
     folder = rec.build_folder("cohere_original", tmp_path / "bad", base=loadable["cohere_original"])
     _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("max_pixels", 0))
-    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json in .*: max_pixels must be a positive "
-                                              r"integer, got 0") as info:
+    with pytest.raises(
+        CheckpointError,
+        match=r"tokenizer_config\.json in .*: max_pixels must be a positive "
+        r"integer, got 0",
+    ) as info:
         validate_checkpoint(folder)
     assert info.value.file == "tokenizer_config.json"
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("size", 1024)))
@@ -284,9 +294,12 @@ def test_checks_refuse_min_over_max_across_files(loadable, tmp_path):
     """tokenizer_config.json's min_pixels over the block's max pixels: named with both sources."""
     folder = rec.build_folder("mlx_conversion", tmp_path / "crossed", base=loadable["mlx_conversion"])
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("min_pixels", 4000000)))
-    with pytest.raises(CheckpointError, match=r"min pixels 4000000 \(from tokenizer_config\.json min_pixels\) "
-                                              r"exceed max pixels 3868706 \(from processor_config\.json "
-                                              r"image_processor max_pixels\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"min pixels 4000000 \(from tokenizer_config\.json min_pixels\) "
+        r"exceed max pixels 3868706 \(from processor_config\.json "
+        r"image_processor max_pixels\)",
+    ):
         validate_checkpoint(folder)
 
 
@@ -297,8 +310,11 @@ def test_checks_read_the_block_not_the_ignored_file(loadable, tmp_path):
     _edit(folder, "preprocessor_config.json", lambda c: c.__setitem__("patch_size", -16))
     validate_checkpoint(folder)
     _edit(folder, "processor_config.json", lambda c: c["image_processor"].__setitem__("patch_size", 0))
-    with pytest.raises(CheckpointError, match=r"processor_config\.json image_processor in .*: patch_size must be a "
-                                              r"positive integer, got 0") as info:
+    with pytest.raises(
+        CheckpointError,
+        match=r"processor_config\.json image_processor in .*: patch_size must be a "
+        r"positive integer, got 0",
+    ) as info:
         validate_checkpoint(folder)
     assert info.value.file == "processor_config.json"
 

@@ -58,8 +58,13 @@ FRESH_SCRIPT = textwrap.dedent(
 
 
 def _spawn(script: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+    )
 
 
 def _result(run: subprocess.Popen):
@@ -139,11 +144,14 @@ def _request_failures():
         a = processor(text=rel.prompt_for(loaded, "A", 1), images=[IMAGE], return_tensors="np")
         b = processor(text=rel.prompt_for(loaded, "B", 1), images=[WIDE_IMAGE], return_tensors="np")
         cached = model.encode_image(mx.array(a["pixel_values"]), a["image_grid_thw"])
-        model.get_input_embeddings(mx.array(b["input_ids"]), cached_image_features=cached,
-                                   image_grid_thw=b["image_grid_thw"])
+        model.get_input_embeddings(
+            mx.array(b["input_ids"]), cached_image_features=cached, image_grid_thw=b["image_grid_thw"]
+        )
 
     return [(f"image_{k}", image_file(k)) for k in ("truncated", "not_an_image", "too_wide", "huge")] + [
-        ("placeholders_mismatch", mismatch), ("features_for_the_wrong_image", wrong_features)]
+        ("placeholders_mismatch", mismatch),
+        ("features_for_the_wrong_image", wrong_features),
+    ]
 
 
 REQUEST_FAILURES = _request_failures()
@@ -197,7 +205,11 @@ def test_two_checkpoints_in_one_process_generate_independently(tiny_ckpt_origina
     assert a[1] is not b[1] and a[1].tokenizer is not b[1].tokenizer
     assert (a[1].image_processor.max_pixels, b[1].image_processor.max_pixels) == (602112, 65536)
     counts = [
-        int(np.sum(np.asarray(p(text=rel.prompt_for(loaded, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id))
+        int(
+            np.sum(
+                np.asarray(p(text=rel.prompt_for(loaded, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id
+            )
+        )
         for loaded, p in ((a, a[1]), (b, b[1]))
     ]
     assert counts == [300, 54]  # 640x480 -> grid 30x40 (max pixels 602112) and 12x18 (max pixels 65536)

@@ -39,9 +39,17 @@ pc = _load_module()
 
 # The published preprocessor_config.json values.
 CONFIG = dict(
-    patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5], size={"shortest_edge": 65536, "longest_edge": 16777216},
-    resample=3, do_convert_rgb=True, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    size={"shortest_edge": 65536, "longest_edge": 16777216},
+    resample=3,
+    do_convert_rgb=True,
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
 )
 REFERENCE_REASON = "the reference is transformers' native cohere_compass (transformers >= 5.21); not installed here"
 USER_IMAGE = {"type": "image"}
@@ -165,10 +173,20 @@ def test_image_files_match_the_reference(tmp_path, mode, as_path):
 
 # ---------------------------------------------------------------- banded conversion
 
-BANDED_MODES = {name: PIXEL_CASES[name][0] for name in (
-    "grayscale-L", "LA", "RGBA", "palette-P", "palette-P-with-transparency", "RGB-with-colour-key",
-    "CMYK", "I;16", "bilevel-1",
-)}
+BANDED_MODES = {
+    name: PIXEL_CASES[name][0]
+    for name in (
+        "grayscale-L",
+        "LA",
+        "RGBA",
+        "palette-P",
+        "palette-P-with-transparency",
+        "RGB-with-colour-key",
+        "CMYK",
+        "I;16",
+        "bilevel-1",
+    )
+}
 
 
 @pytest.mark.parametrize("band_rows", [1, 7, 64])
@@ -192,7 +210,9 @@ def test_large_non_rgb_image_takes_the_banded_path_and_matches_the_reference(mod
     assert image.width * image.height >= pc._BANDED_MIN_PIXELS
     bounds = {"size": {"shortest_edge": 65536, "longest_edge": 1048576}}
     calls = []
-    monkeypatch.setattr(pc.Image.Image, "crop", lambda self, box, _crop=Image.Image.crop: calls.append(box) or _crop(self, box))
+    monkeypatch.setattr(
+        pc.Image.Image, "crop", lambda self, box, _crop=Image.Image.crop: calls.append(box) or _crop(self, box)
+    )
     got = ours(**bounds)(image)
     assert len(calls) == -(-image.height // pc._BAND_ROWS)  # one crop per band
     expected = reference_image_processor(**bounds)(image, return_tensors="np")
@@ -241,8 +261,8 @@ def test_patches_are_in_merge_window_order():
                 for in_col in range(2):
                     top, left = (2 * block_row + in_row) * 16, (2 * block_col + in_col) * 16
                     for frame in range(2):  # a still image is repeated over both frames
-                        np.testing.assert_array_equal(rows[k, 0, frame], ys[top:top + 16, left:left + 16])
-                        np.testing.assert_array_equal(rows[k, 1, frame], xs[top:top + 16, left:left + 16])
+                        np.testing.assert_array_equal(rows[k, 0, frame], ys[top : top + 16, left : left + 16])
+                        np.testing.assert_array_equal(rows[k, 1, frame], xs[top : top + 16, left : left + 16])
                         assert np.all(rows[k, 2, frame] == 7)
                     k += 1
 
@@ -381,7 +401,9 @@ def render(processor, *parts):
 PROMPTS = {
     "one-image": (("describe this image",), [USER_IMAGE, "describe this image"], [(448, 448)]),
     "two-images-of-different-sizes": (
-        ("compare two images",), [USER_IMAGE, USER_IMAGE, "compare two images"], [(640, 480), (501, 379)]
+        ("compare two images",),
+        [USER_IMAGE, USER_IMAGE, "compare two images"],
+        [(640, 480), (501, 379)],
     ),
     "image-in-the-middle": (("what is in",), ["what is in", USER_IMAGE, "the picture ?"], [(300, 200)]),
 }
@@ -453,9 +475,10 @@ def test_no_double_bos(processor, tokenizer):
         ids = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
         assert ids[0] == bos and ids.count(bos) == 1
     plain = "describe this image"
-    assert processor(text=plain, add_special_tokens=True)["input_ids"][0] == [bos] + tokenizer(
-        plain, add_special_tokens=False
-    )["input_ids"]
+    assert (
+        processor(text=plain, add_special_tokens=True)["input_ids"][0]
+        == [bos] + tokenizer(plain, add_special_tokens=False)["input_ids"]
+    )
     assert bos not in processor(text=plain, add_special_tokens=False)["input_ids"][0]
 
 
@@ -499,8 +522,13 @@ def test_mlx_vlm_call_convention(processor):
     assert "chat_template" in processor.__dict__  # mlx-vlm 0.3.9's test for a processor template
     text, images = _prompt(processor, "one-image")
     out = processor(
-        text=[text], images=images, padding=True, padding_side="left", return_tensors="np",
-        add_special_tokens=True, max_pixels=65536,
+        text=[text],
+        images=images,
+        padding=True,
+        padding_side="left",
+        return_tensors="np",
+        add_special_tokens=True,
+        max_pixels=65536,
     )
     np.testing.assert_array_equal(out["image_grid_thw"], [[1, 16, 16]])
     assert set(out) == {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"}
@@ -544,9 +572,15 @@ def test_apply_chat_template_and_decode(processor, tokenizer):
 def make_checkpoint(folder: Path, *, preprocessor=None, template_in_config=False) -> Path:
     build_tiny_tokenizer(folder, chat_template_in_config=template_in_config)
     (folder / "config.json").write_text(json.dumps({"model_type": "cohere_compass"}))
-    preprocessor = preprocessor if preprocessor is not None else {
-        **CONFIG, "processor_class": "CohereCompassProcessor", "image_processor_type": "CohereCompassImageProcessor"
-    }
+    preprocessor = (
+        preprocessor
+        if preprocessor is not None
+        else {
+            **CONFIG,
+            "processor_class": "CohereCompassProcessor",
+            "image_processor_type": "CohereCompassImageProcessor",
+        }
+    )
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return folder
 
@@ -624,6 +658,8 @@ def test_works_with_torch_unimportable_and_registers_nothing(tmp_path):
     folder = make_checkpoint(tmp_path)
     result = subprocess.run(
         [sys.executable, "-c", TORCH_FREE_SCRIPT, str(MODULE_PATH), str(folder)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -54,12 +54,19 @@ CASES = {
         {"role": "user", "content": "Describe a compass."},
     ],
     "image_url_part": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "IMAGE"}},
-                                     {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "IMAGE"}},
+                {"type": "text", "text": "What is this?"},
+            ],
+        },
     ],
     "content_only_part": [
-        {"role": "user", "content": [{"type": "text", "content": "not rendered"},
-                                     {"type": "text", "text": "Describe a compass."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "content": "not rendered"}, {"type": "text", "text": "Describe a compass."}],
+        },
     ],
     "system_list": [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}, {"type": "image"}]},
@@ -70,7 +77,10 @@ CASES = {
         {"role": "user", "content": "Describe a compass."},
     ],
     "video_part": [
-        {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What happens?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What happens?"}],
+        },
     ],
 }
 NUM_IMAGES = {"image_url_part": 1}
@@ -139,7 +149,8 @@ def test_reference_renders_the_published_rules(reference):
     assert IMAGE_TOKEN in reference(image_part)
     assert reference(cases["content_only_part"]) == reference([{"role": "user", "content": "Describe a compass."}])
     assert reference(cases["system_list"]) == reference(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a compass."}])
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a compass."}]
+    )
     assert "<|VISION_START|>" + VIDEO_TOKEN + "<|VISION_END|>" in reference(cases["video_part"])
     turn = [{"role": "user", "content": "x"}]
     with_prompt, without = reference(turn), reference(turn, add_generation_prompt=False)
@@ -214,9 +225,25 @@ def test_video_refused_before_any_model_work(tiny_ckpt_original):
 
     env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}
     run = subprocess.run(
-        [sys.executable, "-m", "compass_compat", "generate", "--model", str(tiny_ckpt_original), "--no-image",
-         "--prompt", f"What happens in {VIDEO_TOKEN}?", "--max-tokens", "4", "--temperature", "0"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "compass_compat",
+            "generate",
+            "--model",
+            str(tiny_ckpt_original),
+            "--no-image",
+            "--prompt",
+            f"What happens in {VIDEO_TOKEN}?",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert run.returncode == 2, run.stdout
     assert "video input is not supported" in run.stderr and "image part per frame" in run.stderr, run.stderr[-2000:]
@@ -231,8 +258,7 @@ def mlx_vlm_equivalent(case):
     """The messages mlx-vlm's apply_chat_template means (measured per pin; see the docstring)."""
     messages = CASES[case]
     if VERSION < Version("0.4"):  # 0.3.9: list content becomes its repr; images open the first user turn
-        out = [dict(m, content=m["content"] if isinstance(m["content"], str) else str(m["content"]))
-               for m in messages]
+        out = [dict(m, content=m["content"] if isinstance(m["content"], str) else str(m["content"])) for m in messages]
         if NUM_IMAGES.get(case):
             first = next(m for m in out if m["role"] == "user")
             first["content"] = [{"type": "image"}] * NUM_IMAGES[case] + [{"type": "text", "text": first["content"]}]
@@ -264,7 +290,7 @@ def test_mlx_vlm_apply_chat_template(loaded, reference, case):
 
 # ------------------------------------------------------------- mlx-vlm's server
 
-SPY = '''\
+SPY = """\
 # compass-compat test spy: what reaches mlx-vlm's get_chat_template, and what it renders.
 import json, os
 import mlx_vlm.prompt_utils as _pu
@@ -275,7 +301,7 @@ def get_chat_template(processor, messages, *args, **kwargs):
         f.write(json.dumps({"messages": messages, "prompt": out}, default=repr) + "\\n")
     return out
 _pu.get_chat_template = get_chat_template
-'''
+"""
 # Requests each pin's server schema refuses before the template (status by pin; 0.3.x and 0.4.x
 # serve /responses). Not listed: accepted (200).
 REFUSED = {
@@ -299,8 +325,9 @@ def server(tiny_ckpt_original, tmp_path_factory):
     (spy / "sitecustomize.py").write_text(SPY, encoding="utf-8")
     log = spy / "template.jsonl"
     pythonpath = os.pathsep.join(p for p in (str(spy), os.environ.get("PYTHONPATH")) if p)
-    started = ts.Server(tiny_ckpt_original, spy / "server.log",
-                        env={"PYTHONPATH": pythonpath, "COMPASS_TEST_TEMPLATE_LOG": str(log)})
+    started = ts.Server(
+        tiny_ckpt_original, spy / "server.log", env={"PYTHONPATH": pythonpath, "COMPASS_TEST_TEMPLATE_LOG": str(log)}
+    )
     try:
         started.wait_ready()
         started.template_log = log
@@ -314,25 +341,32 @@ def post(server, messages, max_tokens: int = 2):
     import test_server as ts
 
     if ts.ROUTE.endswith("/responses"):
+
         def part(p):
             if p.get("type") == "image_url":
                 return {"type": "input_image", "image_url": p["image_url"]["url"]}
             return {**p, "type": "input_text"} if p.get("type") == "text" else p
-        items = [dict(m, content=[part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"])
-                 for m in messages]
+
+        items = [
+            dict(m, content=[part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"])
+            for m in messages
+        ]
         body = {"model": server.model, "input": items, "max_output_tokens": max_tokens, "temperature": 0.0}
     else:
         body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
     before = server.template_log.read_text().splitlines() if server.template_log.exists() else []
-    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{ts.ROUTE}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}{ts.ROUTE}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=ts.REQUEST_TIMEOUT) as r:
             status, text = r.status, r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
         status, text = err.code, err.read().decode("utf-8", "replace")
     after = server.template_log.read_text().splitlines() if server.template_log.exists() else []
-    return status, text, [json.loads(line) for line in after[len(before):]]
+    return status, text, [json.loads(line) for line in after[len(before) :]]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "video_part"])
@@ -373,8 +407,9 @@ def test_server_video_part_is_never_rendered_silently(server, tmp_path):
     """A video part: refused (the schema on 0.3-0.6.3; our processor on 0.6.12, which hands
     videos= to it) or, on 0.7, turned into frames sent as images by mlx-vlm itself."""
     video = write_video(tmp_path / "clip.mp4")
-    messages = [{"role": "user", "content": [{"type": "video", "video": str(video)},
-                                             {"type": "text", "text": "What happens?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": str(video)}, {"type": "text", "text": "What happens?"}]}
+    ]
     status, body, reached = post(server, messages)
     assert all(VIDEO_TOKEN not in (r["prompt"] or "") for r in reached)
     if VERSION >= Version("0.7"):  # resolve_video_inputs: no native video support -> frames as images

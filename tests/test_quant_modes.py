@@ -84,8 +84,14 @@ def dequantize_folder(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Pat
         if f"{prefix}.scales" in weights:
             # In mx.dequantize's own dtype: bfloat16 for the fp modes, as QuantizedEmbedding's
             # lookup returns, so both models carry the same activation dtype.
-            w = mx.dequantize(w, weights[f"{prefix}.scales"], weights.get(f"{prefix}.biases"),
-                              group_size=q["group_size"], bits=q["bits"], mode=q["mode"])
+            w = mx.dequantize(
+                w,
+                weights[f"{prefix}.scales"],
+                weights.get(f"{prefix}.biases"),
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q["mode"],
+            )
         dense[key] = w
     (out / "config.json").write_text(json.dumps(config, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), dense, metadata={"format": "mlx"})
@@ -118,8 +124,9 @@ def prompt(processor, model, image) -> str:
 
 def prefill_logits(path: pathlib.Path, image) -> np.ndarray:
     model, processor = load(str(path))
-    inputs = processor(text=prompt(processor, model, image), images=[str(image)] if image else None,
-                       return_tensors="np")
+    inputs = processor(
+        text=prompt(processor, model, image), images=[str(image)] if image else None, return_tensors="np"
+    )
     kwargs = {k: mx.array(inputs[k]) for k in ("image_grid_thw", "mm_token_type_ids") if k in inputs}
     pixels = mx.array(inputs["pixel_values"]) if image else None
     out = model(mx.array(inputs["input_ids"]), pixels, cache=model.language_model.make_cache(), **kwargs)
@@ -131,8 +138,14 @@ def greedy_tokens(path: pathlib.Path, image, max_tokens: int = 8):
 
     model, processor = load(str(path))
     seen = {}
-    for r in stream_generate(model, processor, prompt(processor, model, image), image=[str(image)] if image else None,
-                             max_tokens=max_tokens, temperature=0.0):
+    for r in stream_generate(
+        model,
+        processor,
+        prompt(processor, model, image),
+        image=[str(image)] if image else None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+    ):
         seen.setdefault(r.generation_tokens, int(r.token))
     return [seen[k] for k in sorted(seen)]
 
@@ -168,8 +181,10 @@ def test_mode_loads_and_matches_dequantized(folders, fixture_images, name):
     for image in (None, fixture_images["synth_320x256.png"]):
         got, want = prefill_logits(quantized, image), prefill_logits(dense, image)
         diff = float(np.abs(got - want).max())
-        print(f"\n[quant modes] {name} {'image' if image else 'text'}: max|q - dequantized| = {diff:.3g} "
-              f"(logit range {np.ptp(want):.3g}), mlx-vlm {PIN[0]}, mlx {PIN[1]}")
+        print(
+            f"\n[quant modes] {name} {'image' if image else 'text'}: max|q - dequantized| = {diff:.3g} "
+            f"(logit range {np.ptp(want):.3g}), mlx-vlm {PIN[0]}, mlx {PIN[1]}"
+        )
         assert diff <= TOL, f"{name}: quantized vs dequantized logits differ by {diff:.3g}"
         assert greedy_tokens(quantized, image) == greedy_tokens(dense, image)
 

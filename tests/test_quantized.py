@@ -31,9 +31,17 @@ FIXTURE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "quantized_
 GROUP = 64
 TOL = 1e-4
 CASES = ["text_medium", "img_448"]  # inputs of the recorded reference cases: a text and an image prompt
-TEXT_LAYERS, PROJECTIONS = 8, (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+TEXT_LAYERS, PROJECTIONS = (
+    8,
+    (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ),
 )
 # The modules mlx-vlm's converter must quantize in the tiny model (written out, not derived).
 EXPECTED_QUANTIZED = {"language_model.model.embed_tokens"} | {
@@ -99,8 +107,11 @@ def dequantized_checkpoint(quantized: pathlib.Path, out: pathlib.Path) -> pathli
         prefix = key[: -len(".weight")] if key.endswith(".weight") else None
         if prefix is not None and f"{prefix}.scales" in weights:
             value = mx.dequantize(
-                value, weights[f"{prefix}.scales"], weights[f"{prefix}.biases"],
-                group_size=q["group_size"], bits=q["bits"],
+                value,
+                weights[f"{prefix}.scales"],
+                weights[f"{prefix}.biases"],
+                group_size=q["group_size"],
+                bits=q["bits"],
             )
         dense[key] = value.astype(mx.float32)
     out.mkdir(parents=True)
@@ -139,12 +150,17 @@ def test_converter_quantizes_text_linears_and_embedding_not_vision(converted, bi
 @pytest.fixture(scope="module")
 def dequantized(converted, tmp_path_factory):
     """{bits: float32 checkpoint of the dequantized q{bits} weights}."""
-    return {bits: dequantized_checkpoint(converted[f"q{bits}"], tmp_path_factory.mktemp(f"dense{bits}") / "m") for bits in (4, 8)}
+    return {
+        bits: dequantized_checkpoint(converted[f"q{bits}"], tmp_path_factory.mktemp(f"dense{bits}") / "m")
+        for bits in (4, 8)
+    }
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("name", CASES)
-def test_quantized_logits_equal_dequantized_float32_model(converted, dequantized, tiny_ckpt_original, reference, bits, name):
+def test_quantized_logits_equal_dequantized_float32_model(
+    converted, dequantized, tiny_ckpt_original, reference, bits, name
+):
     case = reference(name)
     quantized = load_model(str(converted[f"q{bits}"]))
     dense = load_model(str(dequantized[bits]))
@@ -155,9 +171,11 @@ def test_quantized_logits_equal_dequantized_float32_model(converted, dequantized
     original = np.array(prefill(load_model(str(tiny_ckpt_original)), case))
     drift = float(np.abs(got - original).max())
     agree = float(np.mean(got.argmax(-1) == original.argmax(-1)))
-    print(f"\n[quantized] {bits}-bit {name}: max|q - dequantized fp32| = {diff:.3g}; "
-          f"max|q - original fp32| = {drift:.3g} (logit range {np.ptp(original):.3g}), "
-          f"argmax agreement {agree:.0%} over {got.shape[0]} positions")
+    print(
+        f"\n[quantized] {bits}-bit {name}: max|q - dequantized fp32| = {diff:.3g}; "
+        f"max|q - original fp32| = {drift:.3g} (logit range {np.ptp(original):.3g}), "
+        f"argmax agreement {agree:.0%} over {got.shape[0]} positions"
+    )
     assert diff <= TOL, f"{bits}-bit {name}: quantized vs dequantized float32 logits differ by {diff:.3g}"
     # Quantization error, reported above; bounded only loosely so a broken head or a lost
     # scale (errors of the size of the logits themselves) still fails.
@@ -182,7 +200,9 @@ def generate_text(path, image, prompt="Describe the image.", max_tokens=8) -> st
     model, processor = load(str(path))
     images = [str(image)] if image else []
     formatted = apply_chat_template(processor, model.config, prompt, num_images=len(images))
-    results = list(stream_generate(model, processor, formatted, image=images or None, max_tokens=max_tokens, temperature=0.0))
+    results = list(
+        stream_generate(model, processor, formatted, image=images or None, max_tokens=max_tokens, temperature=0.0)
+    )
     assert results and max(r.generation_tokens for r in results) == max_tokens
     return "".join(r.text for r in results)
 

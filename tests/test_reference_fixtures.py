@@ -63,8 +63,15 @@ def test_checkpoint_bytes_are_reproducible(reference, tmp_path, layout, dtype):
     recorded = reference.index["checkpoint"]["safetensors_sha256"][f"{layout}/{dtype}"]
     assert _sha256(ckpt / "model.safetensors") == recorded
     names = {p.name for p in ckpt.iterdir()}
-    published = {"config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors"}
+    published = {
+        "config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "model.safetensors",
+    }
     # The MLX conversion adds the processor_config.json that mlx-vlm >= 0.6.13 writes.
     assert names == published | ({"processor_config.json"} if layout == "mlx" else set())
 
@@ -76,13 +83,26 @@ def test_files_carry_the_published_keys(tiny_ckpt_original, tiny_ckpt_mlx):
     assert tokenizer_config["processor_class"] == "CohereCompassProcessor"
     assert (tokenizer_config["min_pixels"], tokenizer_config["max_pixels"]) == tiny.tiny_pixel_bounds()
     special = {k: tokenizer_config[k + "_token"] for k in ("bos", "eos", "pad", "unk", "cls", "sep", "mask")}
-    assert special == {"bos": "<BOS_TOKEN>", "eos": "<|END_OF_TURN_TOKEN|>", "pad": "<PAD>", "unk": "<UNK>",
-                       "cls": "<CLS>", "sep": "<SEP>", "mask": "<MASK_TOKEN>"}
+    assert special == {
+        "bos": "<BOS_TOKEN>",
+        "eos": "<|END_OF_TURN_TOKEN|>",
+        "pad": "<PAD>",
+        "unk": "<UNK>",
+        "cls": "<CLS>",
+        "sep": "<SEP>",
+        "mask": "<MASK_TOKEN>",
+    }
     assert sorted(tokenizer_config["model_specific_special_tokens"]) == [
-        "image_token", "video_token", "vision_end_token", "vision_start_token"]
+        "image_token",
+        "video_token",
+        "vision_end_token",
+        "vision_start_token",
+    ]
     ids = tiny.special_token_ids()
-    assert [ids[t] for t in ("<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>",
-                             "<EOP_TOKEN>")] == list(range(8))  # Cohere's id layout
+    assert [
+        ids[t]
+        for t in ("<PAD>", "<UNK>", "<CLS>", "<SEP>", "<MASK_TOKEN>", "<BOS_TOKEN>", "<EOS_TOKEN>", "<EOP_TOKEN>")
+    ] == list(range(8))  # Cohere's id layout
     preprocessor = json.loads((tiny_ckpt_original / "preprocessor_config.json").read_text())
     assert preprocessor["size"] == {"shortest_edge": 65536, "longest_edge": 16777216}
     assert preprocessor["image_mean"] == preprocessor["image_std"] == [0.5, 0.5, 0.5]
@@ -115,13 +135,15 @@ def test_small_max_pixels_variant_changes_only_the_image_settings(tmp_path, tiny
     default, bounded = (json.loads((d / "tokenizer_config.json").read_text()) for d in (tiny_ckpt_original, small))
     assert (default["max_pixels"], bounded["max_pixels"]) == (602112, 65536)
     assert {k: v for k, v in bounded.items() if k != "max_pixels"} == {
-        k: v for k, v in default.items() if k != "max_pixels"}
+        k: v for k, v in default.items() if k != "max_pixels"
+    }
     same = ("generation_config.json", "tokenizer.json", "chat_template.jinja")
     assert all(_sha256(small / n) == _sha256(tiny_ckpt_original / n) for n in same)
     default, bounded = (json.loads((d / "preprocessor_config.json").read_text()) for d in (tiny_ckpt_original, small))
     assert bounded["image_mean"] != default["image_mean"] and bounded["image_std"] != default["image_std"]
     assert {k: v for k, v in bounded.items() if k not in ("image_mean", "image_std")} == {
-        k: v for k, v in default.items() if k not in ("image_mean", "image_std")}
+        k: v for k, v in default.items() if k not in ("image_mean", "image_std")
+    }
 
 
 def test_config_keeps_the_published_quirks(tiny_ckpt_original):

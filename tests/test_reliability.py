@@ -75,8 +75,9 @@ def generate(loaded, prompt: str, images=None, max_tokens: int = MAX_TOKENS, fed
         model.get_input_embeddings = spy
     seen: Dict[int, int] = {}
     try:
-        for result in stream_generate(model, processor, prompt, image=images or None, max_tokens=max_tokens,
-                                      temperature=0.0, **kwargs):
+        for result in stream_generate(
+            model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, **kwargs
+        ):
             seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last one
     finally:
         if fed is not None:
@@ -194,73 +195,161 @@ GUARDED = (CheckpointError, None)
 
 BROKEN: List[Broken] = [
     # Folders that are not (recognisably) cohere_compass keep mlx-vlm's own error.
-    Broken("missing_config", _unlink("config.json"),
-           (FileNotFoundError, r"^Config not found at "),
-           r"has no config\.json; a checkpoint folder needs the config\.json published with its weights"),
+    Broken(
+        "missing_config",
+        _unlink("config.json"),
+        (FileNotFoundError, r"^Config not found at "),
+        r"has no config\.json; a checkpoint folder needs the config\.json published with its weights",
+    ),
     # Not JSON: nothing says which model it is, but the guard reports it (a ValueError, as json's).
-    Broken("config_not_json", lambda d: (d / "config.json").write_text("{not json", encoding="utf-8"), GUARDED,
-           r"config\.json in .* is not valid JSON \(Expecting property name .* at line 1, column 2\); restore"),
-    Broken("model_type_other", _config(lambda c: c.__setitem__("model_type", "cohere_compass_text")),
-           (ValueError, r"^Model type cohere_compass_text not supported"),
-           r"model_type 'cohere_compass_text', not 'cohere_compass': this is not a cohere_compass"),
+    Broken(
+        "config_not_json",
+        lambda d: (d / "config.json").write_text("{not json", encoding="utf-8"),
+        GUARDED,
+        r"config\.json in .* is not valid JSON \(Expecting property name .* at line 1, column 2\); restore",
+    ),
+    Broken(
+        "model_type_other",
+        _config(lambda c: c.__setitem__("model_type", "cohere_compass_text")),
+        (ValueError, r"^Model type cohere_compass_text not supported"),
+        r"model_type 'cohere_compass_text', not 'cohere_compass': this is not a cohere_compass",
+    ),
     # mlx-vlm lower-cases model_type to find the package, so this one reaches the guard.
-    Broken("model_type_case", _config(lambda c: c.__setitem__("model_type", "Cohere_Compass")), GUARDED,
-           r"model_type 'Cohere_Compass', not 'cohere_compass'"),
-    Broken("no_text_config", _config(lambda c: c.pop("text_config")), GUARDED,
-           r"config\.json in .* has no text_config: the reference's defaults .* Copy the text_config block"),
-    Broken("no_vision_config", _config(lambda c: c.pop("vision_config")), GUARDED,
-           r"has no vision_config: .* Copy the vision_config block"),
-    Broken("text_hidden_size_missing", _text(lambda t: t.pop("hidden_size")), GUARDED,
-           r"sums to 8, but head_dim // 2 is 1024\. .* leaves text_config\.hidden_size to the reference's defaults"),
-    Broken("text_vocab_size_missing", _text(lambda t: t.pop("vocab_size")), GUARDED,
-           rf"embed_tokens\.weight \(in model\.safetensors\) has shape \[{PADDED_VOCAB_SIZE}, 64\] but config\.json implies "
-           r"\[256000, 64\].* leaves text_config\.vocab_size to the reference's defaults"),
-    Broken("vision_out_hidden_size_missing", _config(lambda c: c["vision_config"].pop("out_hidden_size")), GUARDED,
-           r"has shape \[64, 128\] but config\.json implies \[3584, 128\].*vision_config\.out_hidden_size"),
+    Broken(
+        "model_type_case",
+        _config(lambda c: c.__setitem__("model_type", "Cohere_Compass")),
+        GUARDED,
+        r"model_type 'Cohere_Compass', not 'cohere_compass'",
+    ),
+    Broken(
+        "no_text_config",
+        _config(lambda c: c.pop("text_config")),
+        GUARDED,
+        r"config\.json in .* has no text_config: the reference's defaults .* Copy the text_config block",
+    ),
+    Broken(
+        "no_vision_config",
+        _config(lambda c: c.pop("vision_config")),
+        GUARDED,
+        r"has no vision_config: .* Copy the vision_config block",
+    ),
+    Broken(
+        "text_hidden_size_missing",
+        _text(lambda t: t.pop("hidden_size")),
+        GUARDED,
+        r"sums to 8, but head_dim // 2 is 1024\. .* leaves text_config\.hidden_size to the reference's defaults",
+    ),
+    Broken(
+        "text_vocab_size_missing",
+        _text(lambda t: t.pop("vocab_size")),
+        GUARDED,
+        rf"embed_tokens\.weight \(in model\.safetensors\) has shape \[{PADDED_VOCAB_SIZE}, 64\] but config\.json implies "
+        r"\[256000, 64\].* leaves text_config\.vocab_size to the reference's defaults",
+    ),
+    Broken(
+        "vision_out_hidden_size_missing",
+        _config(lambda c: c["vision_config"].pop("out_hidden_size")),
+        GUARDED,
+        r"has shape \[64, 128\] but config\.json implies \[3584, 128\].*vision_config\.out_hidden_size",
+    ),
     # The reference cannot build a model without rope_parameters (KeyError); the vendored
     # config would silently run every layer without rotation, so the check refuses it.
-    Broken("text_rope_parameters_missing", _text(lambda t: t.pop("rope_parameters")), GUARDED,
-           r"text_config has no rope_parameters.* Copy rope_parameters from the published config\.json"),
-    Broken("layer_types_length", _text(lambda t: t.__setitem__("layer_types", ["full_attention"] * 3)), GUARDED,
-           r"layer_types has 3 entries but num_hidden_layers is 8; give one type per layer\. Fix that value"),
-    Broken("mrope_section_sum",
-           _text(lambda t: t["rope_parameters"]["sliding_attention"].__setitem__("mrope_section", [4, 2, 1])),
-           GUARDED, r"mrope_section \[4, 2, 1\] sums to 7, but head_dim // 2 is 8\. Fix that value"),
-    Broken("missing_tensor", _pop_weight("model.language_model.layers.3.mlp.up_proj.weight"), GUARDED,
-           r"1 tensor\(s\) the model needs are not stored, e\.g\. "
-           r"language_model\.model\.layers\.3\.mlp\.up_proj\.weight\."
-           r" The weights are incomplete or for another configuration: re-download"),
-    Broken("unexpected_tensor",
-           _set_weight("model.language_model.layers.0.post_attention_layernorm.weight", np.ones(64, np.float32)),
-           GUARDED,
-           r"1 stored tensor\(s\) that the cohere_compass model does not have, e\.g\. "
-           r"model\.language_model\.layers\.0\."
-           r"post_attention_layernorm\.weight .*A post_attention_layernorm means these weights are not cohere_compass"),
-    Broken("wrong_shape",
-           _set_weight("model.language_model.layers.1.self_attn.k_proj.weight", np.zeros((8, 64), np.float32)),
-           GUARDED,
-           r"model\.language_model\.layers\.1\.self_attn\.k_proj\.weight \(in model\.safetensors\) has shape \[8, 64\] "
-           r"but config\.json implies \[32, 64\]; config\.json and the weights disagree"),
-    Broken("truncated_weights", _truncate(lambda n: n // 2), GUARDED,
-           r"model\.safetensors in .* is truncated: its header describes \d+ bytes of tensor data but the file "
-           r"holds \d+; the download was interrupted: download the file again"),
-    Broken("truncated_header", _truncate(lambda n: 100), GUARDED,
-           r"model\.safetensors in .* is not a valid safetensors file \(its header claims \d+ bytes but the file "
-           r"holds 92 after the length\); .*download it again"),
-    Broken("quantization_bits_disagree", _set_quantization({"group_size": 32, "bits": 8}), GUARDED,
-           r"quantization block says bits=8, group_size=32, but .* is stored with 4 bits and group size 32 .*"
-           r"Set quantization to \{\"group_size\": 32, \"bits\": 4\}", quantized=True),
-    Broken("quantization_group_disagree", _set_quantization({"group_size": 64, "bits": 4}), GUARDED,
-           r"says bits=4, group_size=64, but .* is stored with 4 bits and group size 32", quantized=True),
-    Broken("quantization_block_missing", _set_quantization(None), GUARDED,
-           r"shows the weights are quantized \(4-bit, group size 32\), but config\.json has no quantization block.*"
-           r"Add \"quantization\": \{\"group_size\": 32, \"bits\": 4, \"mode\": \"affine\"\}", quantized=True),
-    Broken("preprocessor_min_pixels_zero", _preprocessor(lambda p: p["size"].__setitem__("shortest_edge", 0)),
-           GUARDED, _PP.format(r"size\.shortest_edge", "0")),
-    Broken("preprocessor_max_pixels_negative", _preprocessor(lambda p: p["size"].__setitem__("longest_edge", -1)),
-           GUARDED, _PP.format(r"size\.longest_edge", "-1")),
-    Broken("preprocessor_patch_size_negative", _preprocessor(lambda p: p.__setitem__("patch_size", -16)),
-           GUARDED, _PP.format("patch_size", "-16")),
+    Broken(
+        "text_rope_parameters_missing",
+        _text(lambda t: t.pop("rope_parameters")),
+        GUARDED,
+        r"text_config has no rope_parameters.* Copy rope_parameters from the published config\.json",
+    ),
+    Broken(
+        "layer_types_length",
+        _text(lambda t: t.__setitem__("layer_types", ["full_attention"] * 3)),
+        GUARDED,
+        r"layer_types has 3 entries but num_hidden_layers is 8; give one type per layer\. Fix that value",
+    ),
+    Broken(
+        "mrope_section_sum",
+        _text(lambda t: t["rope_parameters"]["sliding_attention"].__setitem__("mrope_section", [4, 2, 1])),
+        GUARDED,
+        r"mrope_section \[4, 2, 1\] sums to 7, but head_dim // 2 is 8\. Fix that value",
+    ),
+    Broken(
+        "missing_tensor",
+        _pop_weight("model.language_model.layers.3.mlp.up_proj.weight"),
+        GUARDED,
+        r"1 tensor\(s\) the model needs are not stored, e\.g\. "
+        r"language_model\.model\.layers\.3\.mlp\.up_proj\.weight\."
+        r" The weights are incomplete or for another configuration: re-download",
+    ),
+    Broken(
+        "unexpected_tensor",
+        _set_weight("model.language_model.layers.0.post_attention_layernorm.weight", np.ones(64, np.float32)),
+        GUARDED,
+        r"1 stored tensor\(s\) that the cohere_compass model does not have, e\.g\. "
+        r"model\.language_model\.layers\.0\."
+        r"post_attention_layernorm\.weight .*A post_attention_layernorm means these weights are not cohere_compass",
+    ),
+    Broken(
+        "wrong_shape",
+        _set_weight("model.language_model.layers.1.self_attn.k_proj.weight", np.zeros((8, 64), np.float32)),
+        GUARDED,
+        r"model\.language_model\.layers\.1\.self_attn\.k_proj\.weight \(in model\.safetensors\) has shape \[8, 64\] "
+        r"but config\.json implies \[32, 64\]; config\.json and the weights disagree",
+    ),
+    Broken(
+        "truncated_weights",
+        _truncate(lambda n: n // 2),
+        GUARDED,
+        r"model\.safetensors in .* is truncated: its header describes \d+ bytes of tensor data but the file "
+        r"holds \d+; the download was interrupted: download the file again",
+    ),
+    Broken(
+        "truncated_header",
+        _truncate(lambda n: 100),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(its header claims \d+ bytes but the file "
+        r"holds 92 after the length\); .*download it again",
+    ),
+    Broken(
+        "quantization_bits_disagree",
+        _set_quantization({"group_size": 32, "bits": 8}),
+        GUARDED,
+        r"quantization block says bits=8, group_size=32, but .* is stored with 4 bits and group size 32 .*"
+        r"Set quantization to \{\"group_size\": 32, \"bits\": 4\}",
+        quantized=True,
+    ),
+    Broken(
+        "quantization_group_disagree",
+        _set_quantization({"group_size": 64, "bits": 4}),
+        GUARDED,
+        r"says bits=4, group_size=64, but .* is stored with 4 bits and group size 32",
+        quantized=True,
+    ),
+    Broken(
+        "quantization_block_missing",
+        _set_quantization(None),
+        GUARDED,
+        r"shows the weights are quantized \(4-bit, group size 32\), but config\.json has no quantization block.*"
+        r"Add \"quantization\": \{\"group_size\": 32, \"bits\": 4, \"mode\": \"affine\"\}",
+        quantized=True,
+    ),
+    Broken(
+        "preprocessor_min_pixels_zero",
+        _preprocessor(lambda p: p["size"].__setitem__("shortest_edge", 0)),
+        GUARDED,
+        _PP.format(r"size\.shortest_edge", "0"),
+    ),
+    Broken(
+        "preprocessor_max_pixels_negative",
+        _preprocessor(lambda p: p["size"].__setitem__("longest_edge", -1)),
+        GUARDED,
+        _PP.format(r"size\.longest_edge", "-1"),
+    ),
+    Broken(
+        "preprocessor_patch_size_negative",
+        _preprocessor(lambda p: p.__setitem__("patch_size", -16)),
+        GUARDED,
+        _PP.format("patch_size", "-16"),
+    ),
 ]
 
 
@@ -430,8 +519,10 @@ def test_symlinked_weights_outside_the_folder_are_refused(tiny_ckpt_original, tm
     folder = copy_checkpoint(tiny_ckpt_original, tmp_path / "ckpt")
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
-    message = (r"entry 'model\.safetensors' in .* is a link to .*/outside/model\.safetensors, outside the "
-               r"checkpoint folder; .*copy the file into the folder")
+    message = (
+        r"entry 'model\.safetensors' in .* is a link to .*/outside/model\.safetensors, outside the "
+        r"checkpoint folder; .*copy the file into the folder"
+    )
     with pytest.raises(CheckpointError, match=message):
         validate_checkpoint(folder)
     # The shim's loader guard refuses the folder before mlx-vlm globs and reads the weights.
@@ -457,8 +548,10 @@ def test_index_shard_paths_cannot_leave_the_folder(tiny_ckpt_original, tmp_path,
     keys = load_file(str(folder / "model.safetensors"))
     shard = "../outside/model.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in keys}}))
-    message = (r"model\.safetensors\.index\.json shard '\.\./outside/model\.safetensors' in .* points "
-               r"outside the checkpoint folder")
+    message = (
+        r"model\.safetensors\.index\.json shard '\.\./outside/model\.safetensors' in .* points "
+        r"outside the checkpoint folder"
+    )
     with pytest.raises(CheckpointError, match=message):
         validate_checkpoint(folder)
     # mlx-vlm >= 0.6 would read the shards an index names (here the outside file); the shim's
@@ -556,8 +649,19 @@ def _reference_image_processor(folder: Path):
     except ImportError:
         return None  # transformers < 5.21 (pin 0.3.9): the exact-arithmetic checks above stand alone
     config = json.loads((folder / "preprocessor_config.json").read_text())
-    keys = ("patch_size", "merge_size", "temporal_patch_size", "size", "resample", "do_convert_rgb",
-            "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    keys = (
+        "patch_size",
+        "merge_size",
+        "temporal_patch_size",
+        "size",
+        "resample",
+        "do_convert_rgb",
+        "do_rescale",
+        "rescale_factor",
+        "do_normalize",
+        "image_mean",
+        "image_std",
+    )
     settings = {k: config[k] for k in keys}
     # transformers' processor merges tokenizer_config.json's bounds over the file's size.
     tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
@@ -613,8 +717,11 @@ def test_huge_non_rgb_image_is_bounded_in_memory(mode):
 
 def test_aspect_ratio_over_200(loaded, images):
     prompt = prompt_for(loaded, "Describe.", 1)
-    with pytest.raises(ValueError, match=r"^Failed to process inputs with error: image of 4020x20 pixels has aspect "
-                       r"ratio 201\.0; cohere_compass accepts at most 200\. Crop or pad the image first\."):
+    with pytest.raises(
+        ValueError,
+        match=r"^Failed to process inputs with error: image of 4020x20 pixels has aspect "
+        r"ratio 201\.0; cohere_compass accepts at most 200\. Crop or pad the image first\.",
+    ):
         generate(loaded, prompt, [str(images["too_wide"])])
     assert len(generate(loaded, prompt, [str(images["wide_ok"])], max_tokens=2)) == 2  # exactly 200 is fine
 
@@ -622,8 +729,11 @@ def test_aspect_ratio_over_200(loaded, images):
 @pytest.mark.parametrize("placeholders, given", [(1, 2), (2, 1), (0, 1)])
 def test_images_and_placeholders_must_match(loaded, images, placeholders, given):
     prompt = prompt_for(loaded, "Describe.", placeholders)
-    with pytest.raises(ValueError, match=rf"^Failed to process inputs with error: the text has {placeholders} "
-                       rf"<\|IMAGE_PAD\|> placeholder\(s\) but {given} image\(s\) were passed; they must match"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^Failed to process inputs with error: the text has {placeholders} "
+        rf"<\|IMAGE_PAD\|> placeholder\(s\) but {given} image\(s\) were passed; they must match",
+    ):
         generate(loaded, prompt, [str(images["noise"])] * given)
 
 
@@ -663,19 +773,30 @@ def test_cached_features_replayed_for_the_wrong_image(loaded, reference):
     model = loaded[0]
     a, b = reference("img_448"), reference("img_501x379")  # grids [1, 28, 28] and [1, 24, 32]
     cached = model.encode_image(mx.array(a["pixel_values"]), a["image_grid_thw"])
-    with pytest.raises(ValueError, match=r"the prompt has 192 image tokens but the image features cover 196 tokens\."
-                       r" Each image needs exactly one image placeholder, .* replayed features must come "
-                       r"from the same images"):
-        model.get_input_embeddings(mx.array(b["input_ids"]), cached_image_features=cached,
-                                   image_grid_thw=b["image_grid_thw"])
+    with pytest.raises(
+        ValueError,
+        match=r"the prompt has 192 image tokens but the image features cover 196 tokens\."
+        r" Each image needs exactly one image placeholder, .* replayed features must come "
+        r"from the same images",
+    ):
+        model.get_input_embeddings(
+            mx.array(b["input_ids"]), cached_image_features=cached, image_grid_thw=b["image_grid_thw"]
+        )
     # Same token count, other grid: 196 tokens as [1, 14, 56] instead of [1, 28, 28]. Only the
     # dict form carries the grid it was encoded for (the array form is what hosts cache).
     D = model.config.text_config.hidden_size
     parts = mx.split(cached, cached.shape[-1] // D, axis=-1)
-    cached = {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]),
-              "image_grid_thw": mx.array(a["image_grid_thw"])}
-    with pytest.raises(ValueError, match=r"cached_image_features were encoded for image grids \[\[1, 28, 28\]\] "
-                       r"but the "
-                       r"prompt's images have grids \[\[1, 14, 56\]\]; re-encode the images"):
-        model.get_input_embeddings(mx.array(a["input_ids"]), cached_image_features=cached,
-                                   image_grid_thw=np.array([[1, 14, 56]]))
+    cached = {
+        "image_features": parts[0],
+        "deepstack_features": mx.stack(parts[1:]),
+        "image_grid_thw": mx.array(a["image_grid_thw"]),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"cached_image_features were encoded for image grids \[\[1, 28, 28\]\] "
+        r"but the "
+        r"prompt's images have grids \[\[1, 14, 56\]\]; re-encode the images",
+    ):
+        model.get_input_embeddings(
+            mx.array(a["input_ids"]), cached_image_features=cached, image_grid_thw=np.array([[1, 14, 56]])
+        )

@@ -60,11 +60,20 @@ def test_window_mask_is_q_minus_w_lt_k_le_q(L, K, window):
 
 
 def _tiny_text(**kw):
-    base = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                num_key_value_heads=1, sliding_window=4,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                rope_parameters={"sliding_attention": {"rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-                                 "full_attention": None})
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+            "full_attention": None,
+        },
+    )
     base.update(kw)
     return cfg.TextConfig.from_dict(base)
 

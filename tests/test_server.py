@@ -36,12 +36,20 @@ import mlx_vlm
 import pytest
 from packaging.version import Version
 
-pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)")
+pytest.importorskip(
+    "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
+)
 
 from compass_compat import cli, server_guard
 
 VERSION = Version(str(mlx_vlm.__version__))
-ROUTE = "/responses" if VERSION < Version("0.4") else "/v1/responses" if VERSION < Version("0.5") else "/v1/chat/completions"
+ROUTE = (
+    "/responses"
+    if VERSION < Version("0.4")
+    else "/v1/responses"
+    if VERSION < Version("0.5")
+    else "/v1/chat/completions"
+)
 # What each pin's own server answers for an image it cannot load (no guard).
 UNGUARDED_STATUS = {"0.3.9": 500, "0.4.4": 500, "0.6.12": 500, "0.7.10": 500}
 PROMPT = "Describe the image."
@@ -64,9 +72,23 @@ class Server:
         env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "compass_compat", "server", *extra,
-             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
+            [
+                sys.executable,
+                "-m",
+                "compass_compat",
+                "server",
+                *extra,
+                "--model",
+                self.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(log.parent),
         )
 
     def wait_ready(self) -> "Server":
@@ -90,17 +112,29 @@ class Server:
         """(status, parsed JSON body) of one non-streaming request with these content parts."""
         if ROUTE.endswith("/responses"):
             parts = [
-                {"type": "input_image", "image_url": p["image_url"]["url"]} if p["type"] == "image_url"
+                {"type": "input_image", "image_url": p["image_url"]["url"]}
+                if p["type"] == "image_url"
                 else {"type": "input_text", "text": p["text"]}
                 for p in content
             ]
-            body = {"model": self.model, "input": [{"role": "user", "content": parts}],
-                    "max_output_tokens": MAX_TOKENS, "temperature": 0.0, "stream": False}
+            body = {
+                "model": self.model,
+                "input": [{"role": "user", "content": parts}],
+                "max_output_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "stream": False,
+            }
         else:
-            body = {"model": self.model, "messages": [{"role": "user", "content": content}],
-                    "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": False}
+            body = {
+                "model": self.model,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "stream": False,
+            }
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{ROUTE}", data=json.dumps(body).encode("utf-8"),
+            f"http://127.0.0.1:{self.port}{ROUTE}",
+            data=json.dumps(body).encode("utf-8"),
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -166,8 +200,22 @@ def cli_text(tiny_ckpt_original, image) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["generate", "--model", str(tiny_ckpt_original), "--image", str(image), "--prompt", PROMPT,
-                         "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-verbose"])
+        code = cli.main(
+            [
+                "generate",
+                "--model",
+                str(tiny_ckpt_original),
+                "--image",
+                str(image),
+                "--prompt",
+                PROMPT,
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--temperature",
+                "0",
+                "--no-verbose",
+            ]
+        )
     assert code == 0
     return out.getvalue().rstrip("\n")
 
@@ -236,31 +284,52 @@ def test_without_the_guard_each_pin_answers_its_own_status_and_keeps_serving(ser
 
 
 def test_guard_finds_images_in_chat_and_responses_requests():
-    chat = {"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u1"}}]},
-        {"role": "user", "content": [{"type": "input_image", "image_url": "u2"}]},
-    ]}
-    responses = {"input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u3"}]},
-        {"type": "input_image", "image_url": {"url": "u4"}},
-    ]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u1"}}],
+            },
+            {"role": "user", "content": [{"type": "input_image", "image_url": "u2"}]},
+        ]
+    }
+    responses = {
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u3"}],
+            },
+            {"type": "input_image", "image_url": {"url": "u4"}},
+        ]
+    }
     assert [(r.where, r.source) for r in server_guard.image_refs(chat)] == [
-        ("messages[1].content[1]", "u1"), ("messages[2].content[0]", "u2")]
+        ("messages[1].content[1]", "u1"),
+        ("messages[2].content[0]", "u2"),
+    ]
     assert [(r.where, r.source) for r in server_guard.image_refs(responses)] == [
-        ("input[0].content[1]", "u3"), ("input[1]", "u4")]
+        ("input[0].content[1]", "u3"),
+        ("input[1]", "u4"),
+    ]
     assert server_guard.image_refs({"messages": "not a list"}) == []
 
 
 def test_guard_accepts_what_mlx_vlm_can_load(image):
     raw = image.read_bytes()
     wrapped = base64.encodebytes(raw).decode("ascii")  # MIME line breaks: mlx-vlm's decoder skips them
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_uri(raw)}},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + wrapped}},
-        {"type": "image_url", "image_url": {"url": str(image)}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/not-fetched.png"}},
-    ]}]}
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_uri(raw)}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + wrapped}},
+                    {"type": "image_url", "image_url": {"url": str(image)}},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/not-fetched.png"}},
+                ],
+            }
+        ]
+    }
     server_guard.check_request(json.dumps(body).encode(), max_images=4)
     server_guard.check_request(b"", max_images=4)  # no body: the server's own validation answers
 
@@ -282,9 +351,16 @@ def test_guard_rejects_malformed_data_uris(url, words):
         server_guard.check_request(b"{not json", max_images=4)
 
 
-@pytest.mark.parametrize("path, guarded", [
-    ("/chat/completions", True), ("/v1/chat/completions", True), ("/v1/responses/", True),
-    ("/responses/input_tokens", False), ("/v1/models", False), ("/health", False),
-])
+@pytest.mark.parametrize(
+    "path, guarded",
+    [
+        ("/chat/completions", True),
+        ("/v1/chat/completions", True),
+        ("/v1/responses/", True),
+        ("/responses/input_tokens", False),
+        ("/v1/models", False),
+        ("/health", False),
+    ],
+)
 def test_guard_routes(path, guarded):
     assert server_guard.guarded(path) is guarded

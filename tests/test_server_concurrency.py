@@ -24,7 +24,9 @@ from typing import Dict, List
 import pytest
 from packaging.version import Version
 
-pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)")
+pytest.importorskip(
+    "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
+)
 
 from test_server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
 from vendored import vendored
@@ -55,8 +57,18 @@ def alone(tiny_ckpt_original, fixture_images) -> Dict[str, str]:
     """Each request's text from the CLI, one at a time."""
     texts = {}
     for name, (image, prompt) in REQUESTS.items():
-        args = ["generate", "--model", str(tiny_ckpt_original), "--prompt", prompt,
-                "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-verbose"]
+        args = [
+            "generate",
+            "--model",
+            str(tiny_ckpt_original),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--temperature",
+            "0",
+            "--no-verbose",
+        ]
         args += ["--image", str(fixture_images[image])] if image else ["--no-image"]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

@@ -47,8 +47,9 @@ CHAT_TEMPLATE = (
     "{% if message.role == 'user' %}<|USER_TOKEN|>{% elif message.role == 'assistant' %}"
     "<|CHATBOT_TOKEN|>{% else %}<|SYSTEM_TOKEN|>{% endif %}"
     "{% if message.content is string %}{{ message.content }}{% else %}"
-    "{% for part in message.content %}{% if part.type == 'image' %}" + IMAGE_BLOCK +
-    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
+    "{% for part in message.content %}{% if part.type == 'image' %}"
+    + IMAGE_BLOCK
+    + "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
     "<|END_OF_TURN_TOKEN|>{% endfor %}"
     "{% if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% endif %}"
 )
@@ -147,8 +148,7 @@ def unpatched():
     """
     root = compass_compat.vendor_root()
     saved = {
-        n: m for n, m in sys.modules.items()
-        if n.startswith("mlx_vlm.") and within(getattr(m, "__file__", None), root)
+        n: m for n, m in sys.modules.items() if n.startswith("mlx_vlm.") and within(getattr(m, "__file__", None), root)
     }
     saved.update(package_modules())
     saved_attr = vars(mlx_vlm.models).get("cohere_compass")
@@ -471,8 +471,10 @@ def test_processor_hook_routes_only_compass_folders(unpatched, monkeypatch, tmp_
 
     monkeypatch.setattr(processing, "CohereCompassProcessor", FakeProcessor, raising=False)
     n_calls = len(calls)
-    for compass in (write_config(tmp_path / "compass", {"model_type": "cohere_compass"}),
-                    str(write_config(tmp_path / "Compass2", {"model_type": "Cohere_Compass"}))):
+    for compass in (
+        write_config(tmp_path / "compass", {"model_type": "cohere_compass"}),
+        str(write_config(tmp_path / "Compass2", {"model_type": "Cohere_Compass"})),
+    ):
         assert AutoProcessor.from_pretrained(compass, use_fast=True) == "vendored"
         assert seen[-1] == (compass, {"use_fast": True})
     assert len(calls) == n_calls
@@ -485,8 +487,17 @@ def test_processor_hook_routes_only_compass_folders(unpatched, monkeypatch, tmp_
 def test_autoprocessor_for_a_real_non_compass_folder_unchanged(unpatched, tmp_path):
     tok = tiny_tokenizer()
     tok.save_pretrained(tmp_path)
-    write_config(tmp_path, {"model_type": "llama", "vocab_size": 4, "hidden_size": 8,
-                            "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 16})
+    write_config(
+        tmp_path,
+        {
+            "model_type": "llama",
+            "vocab_size": 4,
+            "hidden_size": 8,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "intermediate_size": 16,
+        },
+    )
     plain = AutoProcessor.from_pretrained(str(tmp_path))
     apply_patch(force_vendored=True)
     assert is_our_hook()

@@ -80,7 +80,8 @@ def folders(sources, permutation, tmp_path_factory):
             for kind in kinds:
                 name = f"{layout}_{state(top)}_{state(text)}_{kind or 'none'}"
                 out[layout, top, text, kind] = make_folder(
-                    source, tmp_path_factory.mktemp(name) / "m", layout, top, text, heads[kind])
+                    source, tmp_path_factory.mktemp(name) / "m", layout, top, text, heads[kind]
+                )
     return out
 
 
@@ -118,7 +119,7 @@ def test_each_key_combination_loads_the_reference_head(folders, sources, permuta
     from compass_compat.checkpoint_checks import CheckpointError
 
     tied_logits = logits(str(sources[layout]))  # the default checkpoint: tied, as the reference fixtures
-    for kind in (("permuted", "same") if stored else (False,)):
+    for kind in ("permuted", "same") if stored else (False,):
         folder = folders[layout, top, text, kind]
         want = expected_head(top, text, kind)
         if want is None:
@@ -165,10 +166,16 @@ def reference_run(folder: pathlib.Path, embed: np.ndarray, head):
         pytest.skip(f"transformers {transformers.__version__} has no cohere_compass (needs >= 5.21)")
     torch.manual_seed(0)
     model = transformers.CohereCompassForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager").eval()
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     used = model.lm_head.weight.detach().numpy()
-    kind = ("stored" if head is not None and np.array_equal(used, head) and not np.array_equal(head, embed)
-            else "embedding" if np.array_equal(used, embed) else "random")
+    kind = (
+        "stored"
+        if head is not None and np.array_equal(used, head) and not np.array_equal(head, embed)
+        else "embedding"
+        if np.array_equal(used, embed)
+        else "random"
+    )
     with torch.no_grad():
         out = model(input_ids=torch.tensor(input_ids(folder))).logits[0].numpy()
     return kind, out

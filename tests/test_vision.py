@@ -185,9 +185,7 @@ def test_sanitize_transposes_torch_conv_once_and_drops_position_ids():
     assert once.keys() == twice.keys()
     assert all(mx.array_equal(once[k], twice[k]) for k in once)
     conv = ref.state_dict()["patch_embed.proj.weight"].numpy()  # [O, C, T, P, P]
-    np.testing.assert_array_equal(
-        np.array(once["vision_tower.patch_embed.proj.weight"]), conv.transpose(0, 2, 3, 4, 1)
-    )
+    np.testing.assert_array_equal(np.array(once["vision_tower.patch_embed.proj.weight"]), conv.transpose(0, 2, 3, 4, 1))
     untouched = [k for k in weights if k != "vision_tower.patch_embed.proj.weight"]
     assert all(once[k] is weights[k] for k in untouched if k in once)
 

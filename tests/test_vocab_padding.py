@@ -47,7 +47,8 @@ def padded_ckpt(tmp_path_factory):
     rows = tokenizer_vocab_size()
     assert weights[EMBED].shape[0] > rows, (
         f"the tiny checkpoint has no padding rows ({weights[EMBED].shape[0]} rows, {rows} tokenizer "
-        "entries); compass_compat.tiny must make vocab_size exceed the tokenizer")
+        "entries); compass_compat.tiny must make vocab_size exceed the tokenizer"
+    )
     weights[EMBED][rows:] *= np.float32(PADDING_SCALE)
     save_safetensors(path / "model.safetensors", weights)
     return path
@@ -141,7 +142,8 @@ def test_stream_generate_skips_padding_ids_like_the_reference(streamed, referenc
     ids, text = streamed
     rows = tokenizer_vocab_size()
     assert any(i >= rows for i in ids) and any(i < rows for i in ids), (
-        f"the padding rows should win some steps, not all (PADDING_SCALE needs retuning): {ids}")
+        f"the padding rows should win some steps, not all (PADDING_SCALE needs retuning): {ids}"
+    )
     assert text == reference_text(reference_tokenizer, ids)
 
 
@@ -157,24 +159,47 @@ def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_token
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["generate", "--model", str(padded_ckpt), "--no-image", "--prompt", PROMPT,
-                         "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-verbose"])
+        code = cli.main(
+            [
+                "generate",
+                "--model",
+                str(padded_ckpt),
+                "--no-image",
+                "--prompt",
+                PROMPT,
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--temperature",
+                "0",
+                "--no-verbose",
+            ]
+        )
     assert code == 0
     assert out.getvalue().rstrip("\n") == reference_text(reference_tokenizer, streamed[0]).rstrip("\n")
 
 
-@pytest.mark.skipif(VERSION < Version("0.6"), reason="streaming chat completions: mlx-vlm >= 0.6 (0.3/0.4 "
-                    "serve /responses; 0.4's chat completions fail on mlx-lm 0.32, see test_server.py)")
+@pytest.mark.skipif(
+    VERSION < Version("0.6"),
+    reason="streaming chat completions: mlx-vlm >= 0.6 (0.3/0.4 "
+    "serve /responses; 0.4's chat completions fail on mlx-lm 0.32, see test_server.py)",
+)
 def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tokenizer, tmp_path):
     import test_server as ts
 
     server = ts.Server(padded_ckpt, tmp_path / "server.log").wait_ready()
     try:
-        body = {"model": str(padded_ckpt), "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+        body = {
+            "model": str(padded_ckpt),
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": True,
+        }
         request = urllib.request.Request(
-            f"http://127.0.0.1:{server.port}/v1/chat/completions", data=json.dumps(body).encode("utf-8"),
-            headers={"Content-Type": "application/json"})
+            f"http://127.0.0.1:{server.port}/v1/chat/completions",
+            data=json.dumps(body).encode("utf-8"),
+            headers={"Content-Type": "application/json"},
+        )
         deltas = []
         with urllib.request.urlopen(request, timeout=ts.REQUEST_TIMEOUT) as response:
             assert response.status == 200

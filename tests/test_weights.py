@@ -86,7 +86,10 @@ def test_wrong_shape_is_named(tiny_ckpt_original, tmp_path):
 def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, reference):
     from parity import prefill
 
-    head = np.random.default_rng(0).standard_normal((tiny.PADDED_VOCAB_SIZE, tiny.TEXT["hidden_size"])).astype(np.float32) * 0.5
+    head = (
+        np.random.default_rng(0).standard_normal((tiny.PADDED_VOCAB_SIZE, tiny.TEXT["hidden_size"])).astype(np.float32)
+        * 0.5
+    )
 
     def add_head(w):
         w["lm_head.weight"] = mx.array(head)

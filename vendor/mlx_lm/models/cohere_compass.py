@@ -47,7 +47,9 @@ class Model(nn.Module):
         # Head built as the config says; sanitize settles it against the stored weights.
         self.language_model = _language.LanguageModel(args.text_config, tie_word_embeddings=args.tie_word_embeddings)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None):
+    def __call__(
+        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
+    ):
         return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
 
     @property

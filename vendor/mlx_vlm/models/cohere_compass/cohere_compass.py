@@ -226,7 +226,9 @@ class Model(nn.Module):
         """A text-only prompt in the same per-row form as an image prompt (no deepstack memory:
         the zeros are a broadcast until a host concatenates rows)."""
         B, L, D = embeds.shape
-        position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding_rows(mask))
+        position_ids, deltas = get_rope_index(
+            np.array(input_ids), None, -1, self._merge, attention_mask=padding_rows(mask)
+        )
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
         visual = mx.zeros((B, L), dtype=mx.bool_)
@@ -312,10 +314,13 @@ def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[st
     missing ``lm_head.weight``).
     """
     names = {weight_key(k, False): k for k in weights}
-    head = {n[len(_HEAD):]: k for n, k in names.items() if n and n.startswith(_HEAD)}
+    head = {n[len(_HEAD) :]: k for n, k in names.items() if n and n.startswith(_HEAD)}
     # Compared only where it decides: a stored head with the top-level key true.
-    same = bool(head) and bool(config.declared_tie_word_embeddings) and _same_arrays(
-        weights, head, {part: names.get(_EMBED + part) for part in head})
+    same = (
+        bool(head)
+        and bool(config.declared_tie_word_embeddings)
+        and _same_arrays(weights, head, {part: names.get(_EMBED + part) for part in head})
+    )
     tied = config.head_tied(bool(head), same)
     if tied is None or tied == language_model.tie_word_embeddings:
         return language_model.tie_word_embeddings

@@ -59,8 +59,7 @@ class VisionConfig:
             self.model_type = "cohere_compass_vision"
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"vision_config.hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_heads ({self.num_heads})"
+                f"vision_config.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
             )
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
@@ -70,15 +69,11 @@ class VisionConfig:
             )
         bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
         if bad:
-            raise ValueError(
-                f"vision_config.deepstack_visual_indexes {bad} lie outside the "
-                f"{self.depth} vision blocks"
-            )
+            raise ValueError(f"vision_config.deepstack_visual_indexes {bad} lie outside the {self.depth} vision blocks")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
 
 
 @dataclass
@@ -139,14 +134,10 @@ class TextConfig:
             )
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
-            raise ValueError(
-                f"text_config.layer_types has unknown types {unknown}; "
-                f"expected only {list(LAYER_TYPES)}"
-            )
+            raise ValueError(f"text_config.layer_types has unknown types {unknown}; expected only {list(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError(
-                "text_config.sliding_window must be a positive integer when "
-                "layer_types contains sliding_attention"
+                "text_config.sliding_window must be a positive integer when layer_types contains sliding_attention"
             )
         for layer_type in set(self.layer_types):
             spec = self.rope_for(layer_type)
@@ -198,8 +189,7 @@ class TextConfig:
         rope_type = entry.get("rope_type", entry.get("type", "default"))
         if rope_type != "default":
             raise ValueError(
-                f"text_config rope_type {rope_type!r} is not supported; "
-                "cohere_compass uses the 'default' rotation"
+                f"text_config rope_type {rope_type!r} is not supported; cohere_compass uses the 'default' rotation"
             )
         theta = entry.get("rope_theta")
         if theta is None:

@@ -52,9 +52,7 @@ def _default_count() -> int:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(
-                f"{LANES_ENV}={raw!r}: expected a whole number of CPU lanes (1 = off)"
-            ) from None
+            raise ValueError(f"{LANES_ENV}={raw!r}: expected a whole number of CPU lanes (1 = off)") from None
         if value < 1:
             raise ValueError(f"{LANES_ENV}={raw!r}: expected 1 or more (1 = off)")
         return value
@@ -117,7 +115,8 @@ def _rows(layer: nn.Module, x: mx.array, a: int, b: int, after: Optional[mx.arra
         biases = None if biases is None else biases[a:b]
         if after is not None:
             scales, biases = (
-                mx.depends([scales, biases], [after]) if biases is not None
+                mx.depends([scales, biases], [after])
+                if biases is not None
                 else (mx.depends([scales], [after])[0], None)
             )
         kwargs = {"mode": layer.mode} if hasattr(layer, "mode") else {}

@@ -192,8 +192,7 @@ class MLP(nn.Module):
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(
-                f"text_config.hidden_act {config.hidden_act!r} is not supported; "
-                "cohere_compass uses 'silu' (SwiGLU)"
+                f"text_config.hidden_act {config.hidden_act!r} is not supported; cohere_compass uses 'silu' (SwiGLU)"
             )
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False)
@@ -472,11 +471,7 @@ def get_rope_index(
     position_ids = np.zeros((3, B, L), dtype=np.int32)
     deltas = np.zeros((B,), dtype=np.int64)
     for b in range(B):
-        keep = (
-            np.asarray(attention_mask[b]).astype(bool)
-            if attention_mask is not None
-            else np.ones(L, dtype=bool)
-        )
+        keep = np.asarray(attention_mask[b]).astype(bool) if attention_mask is not None else np.ones(L, dtype=bool)
         row_types = types[b][keep]
         pieces: List[np.ndarray] = []
         pos, i, n = 0, 0, len(row_types)

@@ -60,13 +60,29 @@ DEFAULT_MAX_PIXELS = 16777216
 MAX_ASPECT_RATIO = 200
 
 IMAGE_PROCESSOR_KEYS = (
-    "patch_size", "merge_size", "temporal_patch_size", "size", "min_pixels", "max_pixels",
-    "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
-    "image_std", "do_convert_rgb",
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "size",
+    "min_pixels",
+    "max_pixels",
+    "do_resize",
+    "resample",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
 )
 _TOKENIZER_CALL_KEYS = (
-    "truncation", "max_length", "pad_to_multiple_of", "return_attention_mask",
-    "return_token_type_ids", "return_length", "verbose",
+    "truncation",
+    "max_length",
+    "pad_to_multiple_of",
+    "return_attention_mask",
+    "return_token_type_ids",
+    "return_length",
+    "verbose",
 )
 
 
@@ -129,8 +145,9 @@ class PixelBounds(NamedTuple):
     call_defaults: Dict[str, Any]
 
 
-def apply_pixel_keys(edges: Dict[str, Any], values: Dict[str, Any], source: str,
-                     sources: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def apply_pixel_keys(
+    edges: Dict[str, Any], values: Dict[str, Any], source: str, sources: Optional[Dict[str, str]] = None
+) -> Dict[str, Any]:
     """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys.
 
     The one rule of both levels. None values count as absent; a `size` that is not an
@@ -160,9 +177,13 @@ def image_processor_settings(processor_config: Any, preprocessor_config: Any) ->
     return {}, None
 
 
-def resolve_pixel_bounds(image_config: Any, image_config_file: Optional[str] = None,
-                         tokenizer_config: Optional[dict] = None, load_kwargs: Optional[dict] = None,
-                         call_kwargs: Optional[dict] = None) -> PixelBounds:
+def resolve_pixel_bounds(
+    image_config: Any,
+    image_config_file: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+    load_kwargs: Optional[dict] = None,
+    call_kwargs: Optional[dict] = None,
+) -> PixelBounds:
     """The two levels above, on already-read dicts (see :func:`read_pixel_bounds`)."""
     load = {k: v for k, v in (load_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
     call = {k: v for k, v in (call_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
@@ -170,8 +191,10 @@ def resolve_pixel_bounds(image_config: Any, image_config_file: Optional[str] = N
     edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
     # Level 1: the settings file, then from_pretrained kwargs over it (one dict, then one rule).
     file_values = image_config if isinstance(image_config, dict) else {}
-    level1 = {k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
-              for k in PIXEL_BOUND_KEYS}
+    level1 = {
+        k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
+        for k in PIXEL_BOUND_KEYS
+    }
     for key in PIXEL_BOUND_KEYS:  # applied key by key so each edge keeps its own source
         value, source = level1[key]
         edges = apply_pixel_keys(edges, {key: value}, source or "image processor", sources)
@@ -184,16 +207,23 @@ def resolve_pixel_bounds(image_config: Any, image_config_file: Optional[str] = N
         if key in merged:
             value, source = merged[key]
             edges = apply_pixel_keys(edges, {key: value}, source, sources)
-    return PixelBounds(edges["shortest_edge"], edges["longest_edge"], sources["shortest_edge"],
-                       sources["longest_edge"], image_config, image_config_file,
-                       {k: v for k, (v, _) in defaults.items()})
+    return PixelBounds(
+        edges["shortest_edge"],
+        edges["longest_edge"],
+        sources["shortest_edge"],
+        sources["longest_edge"],
+        image_config,
+        image_config_file,
+        {k: v for k, (v, _) in defaults.items()},
+    )
 
 
 def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None) -> PixelBounds:
     """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
     folder = Path(folder)
-    config, name = image_processor_settings(_read_json(folder / "processor_config.json"),
-                                            _read_json(folder / "preprocessor_config.json"))
+    config, name = image_processor_settings(
+        _read_json(folder / "processor_config.json"), _read_json(folder / "preprocessor_config.json")
+    )
     return resolve_pixel_bounds(config, name, _read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
 
 
@@ -271,12 +301,18 @@ def _composite_rgb(image: Image.Image) -> Image.Image:
 _BANDED_MIN_PIXELS = 1 << 22
 _BAND_ROWS = 256
 # PIL runs these filters as two separable passes (horizontal, then vertical).
-_TWO_PASS = {Image.Resampling.BILINEAR, Image.Resampling.BICUBIC, Image.Resampling.LANCZOS,
-             Image.Resampling.BOX, Image.Resampling.HAMMING}
+_TWO_PASS = {
+    Image.Resampling.BILINEAR,
+    Image.Resampling.BICUBIC,
+    Image.Resampling.LANCZOS,
+    Image.Resampling.BOX,
+    Image.Resampling.HAMMING,
+}
 
 
-def convert_and_resize(image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS,
-                       min_pixels: int = _BANDED_MIN_PIXELS) -> Image.Image:
+def convert_and_resize(
+    image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS, min_pixels: int = _BANDED_MIN_PIXELS
+) -> Image.Image:
     """``convert(image).resize(size, resample)`` without converting a large image whole.
 
     Converting a huge non-RGB image at full size costs up to four copies of it (RGBA:
@@ -485,8 +521,9 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         if path.is_file():
             config = _read_json(path)
         elif path.is_dir():
-            config, _ = image_processor_settings(_read_json(path / "processor_config.json"),
-                                                 _read_json(path / "preprocessor_config.json"))
+            config, _ = image_processor_settings(
+                _read_json(path / "processor_config.json"), _read_json(path / "preprocessor_config.json")
+            )
         else:
             raise OSError(f"{path} is not a local checkpoint folder (download it first)")
         return cls.from_dict(config, **kwargs)
@@ -749,25 +786,34 @@ def without_double_bos(tokenizer):
         if not add_special_tokens or not bos or not adds_bos(self):
             return text
         if isinstance(text, str):
-            return text[len(bos):] if text.startswith(bos) else text
+            return text[len(bos) :] if text.startswith(bos) else text
         if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
-            return [t[len(bos):] if t.startswith(bos) else t for t in text]
+            return [t[len(bos) :] if t.startswith(bos) else t for t in text]
         return text
 
     def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
         refuse_video_text(text)
-        return base.__call__(self, strip(self, text, add_special_tokens), *args,
-                             add_special_tokens=add_special_tokens, **kwargs)
+        return base.__call__(
+            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
+        )
 
     def encode(self, text, *args, add_special_tokens=True, **kwargs):
         refuse_video_text(text)
-        return base.encode(self, strip(self, text, add_special_tokens), *args,
-                           add_special_tokens=add_special_tokens, **kwargs)
+        return base.encode(
+            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
+        )
 
-    guarded = type(base.__name__, (base,), {
-        "__call__": __call__, "encode": encode, "_compass_no_double_bos": True,
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
-    })
+    guarded = type(
+        base.__name__,
+        (base,),
+        {
+            "__call__": __call__,
+            "encode": encode,
+            "_compass_no_double_bos": True,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+        },
+    )
     tokenizer.__class__ = guarded
     return tokenizer
 
@@ -788,21 +834,32 @@ def skipping_padding_ids(detokenizer, vocab_size: int):
     base = type(detokenizer)
     guarded = _GUARDED_DETOKENIZERS.get(base)
     if guarded is None:
+
         def add_token(self, token, *args, **kwargs):
             if int(token) >= self._compass_vocab_size:
                 return None
             return base.add_token(self, token, *args, **kwargs)
 
-        guarded = _GUARDED_DETOKENIZERS[base] = type(base.__name__, (base,), {
-            "add_token": add_token, "_compass_skips_padding_ids": True, "_compass_original_class": base,
-            "__module__": base.__module__, "__qualname__": base.__qualname__,
-        })
+        guarded = _GUARDED_DETOKENIZERS[base] = type(
+            base.__name__,
+            (base,),
+            {
+                "add_token": add_token,
+                "_compass_skips_padding_ids": True,
+                "_compass_original_class": base,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+            },
+        )
     try:
         detokenizer._compass_vocab_size = int(vocab_size)
         detokenizer.__class__ = guarded
     except (TypeError, AttributeError) as err:  # a C type or __slots__: cannot carry the guard
-        logger.warning("cohere_compass: cannot guard %s against ids past the tokenizer (%s); "
-                       "sampling such an id may fail in it", base.__name__, err)
+        logger.warning(
+            "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
+            base.__name__,
+            err,
+        )
     return detokenizer
 
 
@@ -860,8 +917,12 @@ class CohereCompassProcessor:
         chat_template = kwargs.pop("chat_template", None) or load_chat_template(path, tokenizer)
         if getattr(tokenizer, "chat_template", None) is None and chat_template is not None:
             tokenizer.chat_template = chat_template  # for callers that template via the tokenizer
-        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-                   image_defaults=bounds.call_defaults)
+        return cls(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            image_defaults=bounds.call_defaults,
+        )
 
     def save_pretrained(self, save_directory, **kwargs):
         path = Path(save_directory)
@@ -935,7 +996,7 @@ class CohereCompassProcessor:
             if add_special_tokens and self.tokenizer_adds_bos():
                 # The chat template already wrote the BOS token; let the tokenizer add the only one.
                 bos = self.tokenizer.bos_token
-                texts = [t[len(bos):] if t.startswith(bos) else t for t in texts]
+                texts = [t[len(bos) :] if t.startswith(bos) else t for t in texts]
             if padding_side is not None:
                 tokenizer_kwargs["padding_side"] = padding_side
             tokenizer_kwargs.setdefault("return_token_type_ids", False)
@@ -946,8 +1007,7 @@ class CohereCompassProcessor:
                 found = sum(int(np.sum(np.asarray(r) == 1)) for r in type_ids)
                 if found != sum(counts):
                     raise ValueError(
-                        f"tokenized text holds {found} image tokens, expected {sum(counts)} "
-                        "(was it truncated?)"
+                        f"tokenized text holds {found} image tokens, expected {sum(counts)} (was it truncated?)"
                     )
             if return_mm_token_type_ids:
                 data["mm_token_type_ids"] = type_ids
@@ -1046,6 +1106,11 @@ def _compass_compat_checks(path: Path) -> None:
 
 
 __all__ = [
-    "CohereCompassImageProcessor", "CohereCompassProcessor", "PixelBounds", "VideoNotSupportedError",
-    "read_pixel_bounds", "resolve_pixel_bounds", "smart_resize",
+    "CohereCompassImageProcessor",
+    "CohereCompassProcessor",
+    "PixelBounds",
+    "VideoNotSupportedError",
+    "read_pixel_bounds",
+    "resolve_pixel_bounds",
+    "smart_resize",
 ]

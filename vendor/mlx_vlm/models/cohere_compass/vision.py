@@ -32,8 +32,7 @@ def _block_activation(name: str):
         return _BLOCK_ACTIVATIONS[name]
     except KeyError:
         raise ValueError(
-            f"vision_config.hidden_act {name!r} is not supported; expected one of "
-            f"{sorted(_BLOCK_ACTIVATIONS)}"
+            f"vision_config.hidden_act {name!r} is not supported; expected one of {sorted(_BLOCK_ACTIVATIONS)}"
         ) from None
 
 
@@ -45,16 +44,10 @@ class _Layout:
         for t, h, w in grids:
             if t < 1 or h % merge or w % merge:
                 raise ValueError(
-                    f"grid_thw ({t}, {h}, {w}) must have t >= 1 and h, w divisible by "
-                    f"spatial_merge_size {merge}"
+                    f"grid_thw ({t}, {h}, {w}) must have t >= 1 and h, w divisible by spatial_merge_size {merge}"
                 )
             # Raster index of every token of one frame, in merge-window order.
-            raster = (
-                np.arange(h * w)
-                .reshape(h // merge, merge, w // merge, merge)
-                .transpose(0, 2, 1, 3)
-                .reshape(-1)
-            )
+            raster = np.arange(h * w).reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
             r, c = raster // w, raster % w
             r0, r1, fr = _axis_taps(r, h, side)
             c0, c1, fc = _axis_taps(c, w, side)
@@ -100,9 +93,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(
-            config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True
-        )
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
         # kernel == stride, so the conv is one matmul per patch. Reorder the weight from
@@ -182,9 +173,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self._merged = config.hidden_size * config.spatial_merge_size**2
         self._norm_after_merge = norm_after_merge
-        self.norm = nn.LayerNorm(
-            self._merged if norm_after_merge else config.hidden_size, eps=_LN_EPS
-        )
+        self.norm = nn.LayerNorm(self._merged if norm_after_merge else config.hidden_size, eps=_LN_EPS)
         self.linear_fc1 = nn.Linear(self._merged, self._merged, bias=True)
         self.linear_fc2 = nn.Linear(self._merged, config.out_hidden_size, bias=True)
 
@@ -217,9 +206,7 @@ class VisionModel(nn.Module):
         self._merge = config.spatial_merge_size
         quarter = config.head_dim // 4
         # Row and column share these frequencies; not a parameter (absent from checkpoints).
-        self._inv_freq = 1.0 / (
-            config.rope_theta ** (mx.arange(0, 2 * quarter, 2, dtype=mx.float32) / (2 * quarter))
-        )
+        self._inv_freq = 1.0 / (config.rope_theta ** (mx.arange(0, 2 * quarter, 2, dtype=mx.float32) / (2 * quarter)))
         # Same lookup as the reference: the k-th listed index uses merger k.
         indexes = list(config.deepstack_visual_indexes)
         self._deepstack_at = {i: indexes.index(i) for i in indexes}
@@ -228,16 +215,13 @@ class VisionModel(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = [VisionBlock(config) for _ in range(config.depth)]
         self.merger = PatchMerger(config, norm_after_merge=False)
-        self.deepstack_merger_list = [
-            PatchMerger(config, norm_after_merge=True) for _ in indexes
-        ]
+        self.deepstack_merger_list = [PatchMerger(config, norm_after_merge=True) for _ in indexes]
 
     def __call__(self, pixel_values: mx.array, grid_thw) -> Tuple[mx.array, List[mx.array]]:
         layout = _Layout(list(grid_sequence(grid_thw)), self._side, self._merge)
         if pixel_values.shape[0] != layout.num_patches:
             raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} patches but grid_thw describes "
-                f"{layout.num_patches}"
+                f"pixel_values has {pixel_values.shape[0]} patches but grid_thw describes {layout.num_patches}"
             )
         x = self.patch_embed(pixel_values)
         # Weighted sum in float32 (f32 weights promote), as the reference.
