@@ -364,6 +364,11 @@ def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
             hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
             mlx_vlm_version=_mlx_vlm_version(),
         )
+    # The folder is checked before the processor reads any file of it (the vendored
+    # package itself never imports this package).
+    from .checkpoint_checks import validate_checkpoint
+
+    validate_checkpoint(path, require_weights=False)
     return processor_cls.from_pretrained(path, *args, **kwargs)
 
 

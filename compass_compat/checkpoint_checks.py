@@ -23,9 +23,9 @@ headers, never tensor data, never a pickle, never checkpoint code) and raises
   this mlx-vlm and mlx can load (else the error names the mode, both versions and what
   to use instead).
 
-Where it runs: hosts can call it before ``mlx_vlm.load``; the vendored processor's
-``from_pretrained`` also calls it (with ``require_weights=False``) whenever compass-compat
-built the processor, which is part of every ``mlx_vlm.load`` of a cohere_compass folder.
+Where it runs: hosts can call it before ``mlx_vlm.load``; the shim's ``AutoProcessor`` hook
+also calls it (with ``require_weights=False``) before it builds the vendored processor, which
+is part of every ``mlx_vlm.load`` of a cohere_compass folder.
 
 What mlx-vlm's own ``load_model`` reads first, per pin; the shim's loader guard (see below)
 runs this check before it, so a refused folder has had none of these read:

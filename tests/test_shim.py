@@ -1,4 +1,4 @@
-"""The patch shim (issue 2): path, force switch, prompt format, processor hook, all-or-nothing.
+"""The patch shim: path, force switch, prompt format, processor hook, all-or-nothing.
 
 Runs on every pin. Expectations come from the pin's version (mlx-vlm >= 0.6.13
 ships its own cohere_compass) and from COMPASS_COMPAT_FORCE_VENDORED, which
@@ -28,7 +28,7 @@ from packaging.version import Version
 from transformers import AutoProcessor
 
 import compass_compat
-from compass_compat import CompassCompatError, apply_patch, implementation_info, remove_patch
+from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"
@@ -41,7 +41,7 @@ DEFAULT_LIVE = "vendored" if FORCED_BY_ENV or not UPSTREAM_SHIPS else "upstream"
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
 
 IMAGE_BLOCK = "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"
-# The cohere_compass prompt shape of SPEC §1 ("Prompt"), enough to count image parts.
+# The cohere_compass prompt shape, enough to count image parts.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|START_OF_TURN_TOKEN|>"
     "{% if message.role == 'user' %}<|USER_TOKEN|>{% elif message.role == 'assistant' %}"
@@ -470,6 +470,11 @@ def test_processor_hook_routes_only_compass_folders(unpatched, monkeypatch, tmp_
             return "vendored"
 
     monkeypatch.setattr(processing, "CohereCompassProcessor", FakeProcessor, raising=False)
+    checked = []
+    # The hook checks the folder first; these config-only folders are about routing.
+    monkeypatch.setattr(
+        checkpoint_checks, "validate_checkpoint", lambda path, **kwargs: checked.append((path, kwargs, len(seen)))
+    )
     n_calls = len(calls)
     for compass in (
         write_config(tmp_path / "compass", {"model_type": "cohere_compass"}),
@@ -477,6 +482,7 @@ def test_processor_hook_routes_only_compass_folders(unpatched, monkeypatch, tmp_
     ):
         assert AutoProcessor.from_pretrained(compass, use_fast=True) == "vendored"
         assert seen[-1] == (compass, {"use_fast": True})
+        assert checked[-1] == (compass, {"require_weights": False}, len(seen) - 1)  # before the processor
     assert len(calls) == n_calls
 
     monkeypatch.delattr(processing, "CohereCompassProcessor")

@@ -907,7 +907,6 @@ class CohereCompassProcessor:
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise OSError(f"{path} is not a local checkpoint folder (download it first)")
-        _compass_compat_checks(path)  # compass-compat (issue 9): before reading any file
         overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         tokenizer = _load_tokenizer(path)
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
@@ -1085,24 +1084,6 @@ class CohereCompassProcessor:
             f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
             f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
         )
-
-
-# compass-compat (issue 9): checkpoint checks, a separate addition owned by issue 9.
-def _compass_compat_checks(path: Path) -> None:
-    """Refuse a checkpoint folder that reaches outside itself, has truncated weights, bad
-    preprocessor sizes, ... (``compass_compat.checkpoint_checks.validate_checkpoint``).
-
-    Runs only when compass-compat is imported (it is whenever its processor hook built this
-    processor, i.e. on every ``mlx_vlm.load`` of a cohere_compass folder) and only for a
-    folder with a ``config.json``: this module stays importable and usable on its own.
-    """
-    import sys
-
-    if "compass_compat" not in sys.modules or not (path / "config.json").exists():
-        return
-    from compass_compat.checkpoint_checks import validate_checkpoint
-
-    validate_checkpoint(path, require_weights=False)
 
 
 __all__ = [
