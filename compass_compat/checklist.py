@@ -349,7 +349,7 @@ def _matching_prefix(got: Sequence[int], want: Sequence[int]) -> int:
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> Tuple[int, int]:
-    """Target size per SPEC.md (multiples of ``factor`` within [min, max] pixels), exact arithmetic."""
+    """Target size: sides rounded to multiples of ``factor``, area within [min, max] pixels, exact arithmetic."""
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         shrink = math.sqrt(height * width / max_pixels)

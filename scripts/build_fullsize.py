@@ -93,7 +93,7 @@ VISION = dict(
     deepstack_visual_indexes=[8, 16, 24],
     in_channels=3,
 )
-# The published preprocessor values (SPEC section 1).
+# The published preprocessor_config.json values.
 PREPROCESSOR = dict(
     image_processor_type="CohereCompassImageProcessor",
     processor_class="CohereCompassProcessor",
@@ -111,7 +111,7 @@ PREPROCESSOR = dict(
     merge_size=2,
 )
 
-# tokenizer_config.json's min_pixels / max_pixels, which the processor uses (issue 15).
+# The published tokenizer_config.json's min_pixels / max_pixels, which the processor uses.
 PUBLISHED_PIXEL_BOUNDS = (16384, 3868706)
 
 CHUNK = 1 << 23  # elements generated at a time

@@ -44,7 +44,7 @@ IMAGES = {"224x224": (224, 224), "4032x3024": (3024, 4032)}  # name -> (height, 
 # Sampled pixel_values entries recorded per image: fixed flat indices spread over the array.
 SAMPLES = 16
 
-# The published preprocessor_config.json (SPEC "Image preprocessing").
+# The published preprocessor_config.json.
 PUBLISHED_PREPROCESSOR = dict(
     image_processor_type="CohereCompassImageProcessor",
     processor_class="CohereCompassProcessor",

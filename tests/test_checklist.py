@@ -1,4 +1,4 @@
-"""The pin-bump checklist (issue 7): recorded verdicts per pin, and proof that its checks bite.
+"""The pin-bump checklist: recorded verdicts per pin, and proof that its checks bite.
 
 This file is the checklist's CI job: every pin environment of the matrix runs the suite, so
 every pin runs ``python -m compass_compat.checklist`` here (in subprocesses, both against
@@ -190,7 +190,7 @@ def test_import_scan_finds_the_rotary_helper():
 
 
 def test_smart_resize_expectations_are_exact_arithmetic():
-    # SPEC §1 image preprocessing: 448x448 stays, 20x20 grows to the min bound, 640x480 shrinks.
+    # Image preprocessing: 448x448 stays, 20x20 grows to the min bound, 640x480 shrinks.
     assert checklist.smart_resize(448, 448, 32, 65536, 16777216) == (448, 448)
     assert checklist.smart_resize(20, 20, 32, 65536, 16777216) == (256, 256)
     assert checklist.smart_resize(480, 640, 32, 16384, 65536) == (192, 288)
@@ -234,7 +234,7 @@ DEFECTS_DRIVER = textwrap.dedent(
         return lambda: setattr(cls, "from_dict", original)
 
     def processor_ignores_tokenizer_pixel_bounds():
-        # The pre-issue-15 processor: tokenizer_config.json's min/max_pixels not merged in.
+        # The old processor's mistake: tokenizer_config.json's min/max_pixels not merged in.
         # Only while the processor loads: the checklist's expectation uses the same resolver.
         cls = processing.CohereCompassProcessor
         original, resolve = cls.__dict__["from_pretrained"], processing.resolve_pixel_bounds

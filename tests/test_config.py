@@ -57,7 +57,7 @@ def test_mrope_section_defaults_like_the_reference():
 
 
 def test_head_dim_is_derived_unless_the_key_is_given():
-    # As transformers 5.24 does (SPEC says the key is ignored; the reference honours it).
+    # As transformers 5.24 does (the model's description says the key is ignored; the reference honours it).
     assert text().head_dim == 2048 // 16
     assert text(head_dim=96, rope_parameters={"full_attention": None}).head_dim == 96
 

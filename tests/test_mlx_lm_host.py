@@ -1,4 +1,4 @@
-"""Hosts that load through mlx-lm (issue 14): the opt-in ``mlx_lm.models.cohere_compass``.
+"""Hosts that load through mlx-lm: the opt-in ``mlx_lm.models.cohere_compass``.
 
 With ``apply_patch(mlx_lm=True)`` (``COMPASS_COMPAT_MLX_LM=1``) ``mlx_lm.load`` runs the
 vendored text decoder; expectations are transformers' recorded greedy ids and logits. It

@@ -1,4 +1,4 @@
-"""Image pixel bounds resolved as transformers resolves them (issue 15).
+"""Image pixel bounds resolved as transformers resolves them.
 
 Folders with the published layouts of the files that decide the bounds (CohereLabs'
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose

@@ -313,7 +313,7 @@ THREADS_SCRIPT = textwrap.dedent(
     # teardown make the process abort now and then ("terminate called without an active
     # exception", SIGABRT) after all work is done. gc.collect() before exiting avoids most of
     # it (8/8 -> 1/13 aborts measured), not all; the results above are complete, so leave
-    # without the teardown (issue 9 note).
+    # without the teardown.
     del results, single, threaded, keep[:]
     gc.collect()
     os._exit(0)

@@ -740,7 +740,7 @@ def test_images_and_placeholders_must_match(loaded, images, placeholders, given)
 def test_placeholder_without_any_image_runs_as_text_like_the_reference(loaded):
     """No image at all: mlx-vlm tokenizes the prompt itself and never calls the processor, so
     the pad token goes in as an ordinary token, as in transformers (which checks placeholders
-    only when pixel_values are given). Recorded here as the current behaviour (issue 9 note)."""
+    only when pixel_values are given). Recorded here as the current behaviour."""
     fed: list = []
     ids = generate(loaded, prompt_for(loaded, "Describe.", 1), None, fed=fed)
     assert len(ids) == MAX_TOKENS and fed[0][0].count(IDS["<|IMAGE_PAD|>"]) == 1

@@ -108,7 +108,7 @@ class TextConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        # SPEC says the reference ignores a head_dim key; measured on transformers
+        # The model's description says a head_dim key is ignored; measured on transformers
         # 5.24 it does not (the key overrides hidden_size // num_attention_heads).
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
