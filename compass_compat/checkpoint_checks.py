@@ -637,23 +637,6 @@ def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tup
     return out
 
 
-def _mlx_key(key: str, tied: bool) -> Optional[str]:
-    """A stored key in the module tree's naming (both published layouts), or None if dropped."""
-    if key.rsplit(".", 1)[-1] == "position_ids":
-        return None
-    for src, dst in (
-        ("model.language_model.", "language_model.model."),
-        ("model.visual.", "vision_tower."),
-        ("lm_head.", "language_model.lm_head."),
-    ):
-        if key.startswith(src):
-            key = key.replace(src, dst, 1)
-            break
-    if tied and key.startswith("language_model.lm_head."):
-        return None
-    return key
-
-
 def _defaulted_hint(config: Dict[str, Any]) -> str:
     missing = [
         f"{sub}.{k}"
@@ -672,11 +655,12 @@ def _defaulted_hint(config: Dict[str, Any]) -> str:
 
 def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) -> None:
     tied = _check_head(folder, model_config, headers)
+    weight_key = _config_module().weight_key  # the model's own key mapping
     stored: Dict[str, Dict[str, Any]] = {}
     original: Dict[str, str] = {}
     for entries in headers.values():
         for key, info in entries.items():
-            mlx = _mlx_key(key, tied)
+            mlx = weight_key(key, tied)
             if mlx is not None:
                 stored[mlx] = info
                 original[mlx] = key
@@ -733,7 +717,7 @@ def _check_head(folder: Path, model_config, headers) -> bool:
     """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
     counts as used: whether it equals the embedding needs the data), or refuse."""
     lm_head_stored = any(
-        (_mlx_key(key, False) or "").startswith("language_model.lm_head.")
+        (_config_module().weight_key(key, False) or "").startswith("language_model.lm_head.")
         for entries in headers.values()
         for key in entries
     )

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import ModelConfig, grid_sequence
+from .config import ModelConfig, grid_sequence, weight_key
 from .language import LanguageModel, get_rope_index, padding_rows
 from .processing_cohere_compass import GRID_MEMO
 from .vision import VisionModel
@@ -273,32 +273,6 @@ class Model(nn.Module):
             if key is not None:
                 out[key] = value
         return self.vision_tower.sanitize(out)
-
-
-# Original (CohereLabs) prefixes and where they live in this module tree (MLX conversions' names).
-_LAYOUT = (
-    ("model.language_model.", "language_model.model."),
-    ("model.visual.", "vision_tower."),
-    ("lm_head.", "language_model.lm_head."),
-)
-
-
-def weight_key(key: str, tied: bool) -> Optional[str]:
-    """A stored weight's name in this module tree, or None for a tensor the model drops.
-
-    CohereLabs: ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``; MLX
-    conversions: ``language_model.model.*``, ``vision_tower.*``. ``position_ids`` buffers
-    and, with a tied head, ``lm_head`` are dropped. Idempotent.
-    """
-    if key.endswith("position_ids"):
-        return None
-    for src, dst in _LAYOUT:
-        if key.startswith(src):
-            key = key.replace(src, dst, 1)
-            break
-    if tied and key.startswith("language_model.lm_head."):
-        return None
-    return key
 
 
 _HEAD, _EMBED = "language_model.lm_head.", "language_model.model.embed_tokens."

@@ -265,6 +265,33 @@ class ModelConfig:
         return {k: v for k, v in self.__dict__.items() if v is not None and k != "declared_tie_word_embeddings"}
 
 
+# Original (CohereLabs) prefixes and where they live in this module tree (the MLX
+# conversions' names). Here, with no mlx import, so that the checkpoint checks share it.
+WEIGHT_LAYOUT = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "vision_tower."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def weight_key(key: str, tied: bool) -> Optional[str]:
+    """A stored weight's name in this module tree, or None for a tensor the model drops.
+
+    CohereLabs: ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``; MLX
+    conversions: ``language_model.model.*``, ``vision_tower.*``. ``position_ids`` buffers
+    and, with a tied head, ``lm_head`` are dropped. Idempotent.
+    """
+    if key.rsplit(".", 1)[-1] == "position_ids":
+        return None
+    for src, dst in WEIGHT_LAYOUT:
+        if key.startswith(src):
+            key = key.replace(src, dst, 1)
+            break
+    if tied and key.startswith("language_model.lm_head."):
+        return None
+    return key
+
+
 def grid_sequence(grid_thw: Sequence[Sequence[int]]):
     """Yield ``(t, h, w)`` int tuples from an ``image_grid_thw``-like array or list."""
     for row in grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw:
