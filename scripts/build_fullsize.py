@@ -93,23 +93,8 @@ VISION = dict(
     deepstack_visual_indexes=[8, 16, 24],
     in_channels=3,
 )
-# The published preprocessor_config.json values.
-PREPROCESSOR = dict(
-    image_processor_type="CohereCompassImageProcessor",
-    processor_class="CohereCompassProcessor",
-    do_convert_rgb=True,
-    do_resize=True,
-    resample=3,
-    size={"shortest_edge": 65536, "longest_edge": 16777216},
-    do_rescale=True,
-    rescale_factor=1 / 255,
-    do_normalize=True,
-    image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5],
-    patch_size=16,
-    temporal_patch_size=2,
-    merge_size=2,
-)
+# The published preprocessor_config.json values (the default tiny checkpoint's).
+PREPROCESSOR = tiny.tiny_preprocessor_config()
 
 # The published tokenizer_config.json's min_pixels / max_pixels, which the processor uses.
 PUBLISHED_PIXEL_BOUNDS = (16384, 3868706)

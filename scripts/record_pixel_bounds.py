@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -44,23 +45,18 @@ IMAGES = {"224x224": (224, 224), "4032x3024": (3024, 4032)}  # name -> (height, 
 # Sampled pixel_values entries recorded per image: fixed flat indices spread over the array.
 SAMPLES = 16
 
-# The published preprocessor_config.json.
-PUBLISHED_PREPROCESSOR = dict(
-    image_processor_type="CohereCompassImageProcessor",
-    processor_class="CohereCompassProcessor",
-    do_convert_rgb=True,
-    do_resize=True,
-    resample=3,
-    size={"shortest_edge": 65536, "longest_edge": 16777216},
-    do_rescale=True,
-    rescale_factor=1 / 255,
-    do_normalize=True,
-    image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5],
-    patch_size=16,
-    temporal_patch_size=2,
-    merge_size=2,
-)
+
+def _load_tiny():
+    # By path, as scripts/record_reference.py does: tiny.py is self-contained, and importing
+    # the compass_compat package would patch mlx-vlm.
+    spec = importlib.util.spec_from_file_location("_compass_compat_tiny", ROOT / "compass_compat" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The published preprocessor_config.json (the default tiny checkpoint writes it as published).
+PUBLISHED_PREPROCESSOR = _load_tiny().tiny_preprocessor_config()
 PUBLISHED_TOKENIZER_BOUNDS = {"min_pixels": 16384, "max_pixels": 3868706}
 # The image_processor block of processor_config.json as mlx-vlm 0.7.10's converter writes it
 # (tests/fixtures/quantized_0710/*/processor_config.json), with the published mean/std.
