@@ -14,8 +14,6 @@ mlx-vlm, which takes seconds) and are awaited once.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -28,10 +26,11 @@ from typing import Dict, List
 
 import mlx_vlm
 import pytest
+from _cli import greedy_cli_output  # noqa: E402
 from packaging.version import Version
 
 import compass_compat
-from compass_compat import cli, startup
+from compass_compat import startup
 
 UPSTREAM_SHIPS = Version(str(mlx_vlm.__version__)) >= Version("0.6.13")  # first release with cohere_compass
 PROMPT = "Describe the image."
@@ -136,26 +135,7 @@ def runs(
 @pytest.fixture(scope="module")
 def cli_text(tiny_ckpt_original, fixture_images) -> str:
     """The greedy text ``python -m compass_compat generate`` prints for the same inputs."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(
-            [
-                "generate",
-                "--model",
-                str(tiny_ckpt_original),
-                "--image",
-                str(fixture_images["synth_320x256.png"]),
-                "--prompt",
-                PROMPT,
-                "--max-tokens",
-                str(MAX_TOKENS),
-                "--temperature",
-                "0",
-                "--no-verbose",
-            ]
-        )
-    assert code == 0
-    return out.getvalue().strip()
+    return greedy_cli_output(tiny_ckpt_original, PROMPT, MAX_TOKENS, fixture_images["synth_320x256.png"]).strip()
 
 
 def comparable(text: str) -> List[str]:

@@ -40,7 +40,9 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
-from compass_compat import cli, server_guard
+from _cli import greedy_cli_output  # noqa: E402
+
+from compass_compat import server_guard
 
 VERSION = Version(str(mlx_vlm.__version__))
 ROUTE = (
@@ -195,29 +197,7 @@ def servers(tiny_ckpt_original, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cli_text(tiny_ckpt_original, image) -> str:
     """What ``python -m compass_compat generate`` prints for the same checkpoint, image and prompt."""
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(
-            [
-                "generate",
-                "--model",
-                str(tiny_ckpt_original),
-                "--image",
-                str(image),
-                "--prompt",
-                PROMPT,
-                "--max-tokens",
-                str(MAX_TOKENS),
-                "--temperature",
-                "0",
-                "--no-verbose",
-            ]
-        )
-    assert code == 0
-    return out.getvalue().rstrip("\n")
+    return greedy_cli_output(tiny_ckpt_original, PROMPT, MAX_TOKENS, image).rstrip("\n")
 
 
 def good_request(image: Path) -> list:

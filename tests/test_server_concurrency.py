@@ -14,8 +14,6 @@ a bug of mlx-lm's ``BatchRotatingKVCache`` (tests/test_batching.py, strict xfail
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import threading
 from pathlib import Path
@@ -28,10 +26,9 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
+from _cli import greedy_cli_output  # noqa: E402
 from test_server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
 from vendored import vendored
-
-from compass_compat import cli
 
 vendored()  # upstream 0.7.10's own cohere_compass fails these (measured); the checklist reports upstream
 
@@ -57,23 +54,8 @@ def alone(tiny_ckpt_original, fixture_images) -> Dict[str, str]:
     """Each request's text from the CLI, one at a time."""
     texts = {}
     for name, (image, prompt) in REQUESTS.items():
-        args = [
-            "generate",
-            "--model",
-            str(tiny_ckpt_original),
-            "--prompt",
-            prompt,
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--temperature",
-            "0",
-            "--no-verbose",
-        ]
-        args += ["--image", str(fixture_images[image])] if image else ["--no-image"]
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert cli.main(args) == 0
-        texts[name] = out.getvalue().rstrip("\n").strip()
+        image_path = fixture_images[image] if image else None
+        texts[name] = greedy_cli_output(tiny_ckpt_original, prompt, MAX_TOKENS, image_path).rstrip("\n").strip()
         assert texts[name], name
     return texts
 

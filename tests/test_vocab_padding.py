@@ -15,15 +15,14 @@ scaled up, so greedy decoding mixes padding and real ids.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import urllib.request
 
 import mlx_vlm
 import numpy as np
 import pytest
+from _cli import greedy_cli_output  # noqa: E402
 from packaging.version import Version
 from safetensors.numpy import load_file
 from vendored import vendored
@@ -155,27 +154,8 @@ def test_generate_gives_the_same_text(loaded, prompt, streamed, reference_tokeni
 
 
 def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_tokenizer):
-    from compass_compat import cli
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(
-            [
-                "generate",
-                "--model",
-                str(padded_ckpt),
-                "--no-image",
-                "--prompt",
-                PROMPT,
-                "--max-tokens",
-                str(MAX_TOKENS),
-                "--temperature",
-                "0",
-                "--no-verbose",
-            ]
-        )
-    assert code == 0
-    assert out.getvalue().rstrip("\n") == reference_text(reference_tokenizer, streamed[0]).rstrip("\n")
+    out = greedy_cli_output(padded_ckpt, PROMPT, MAX_TOKENS)
+    assert out.rstrip("\n") == reference_text(reference_tokenizer, streamed[0]).rstrip("\n")
 
 
 @pytest.mark.skipif(
