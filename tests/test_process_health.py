@@ -35,10 +35,11 @@ TOKENS = 12
 REQUESTS = [("text", "Hello there!", None), ("image", "What is in the picture?", IMAGE)]
 TEXT_ONLY = REQUESTS[:1]
 THREAD_ROUNDS = 2
-# mlx 0.30 (the 0.3.9 pin) segfaults inside evaluation when threads evaluate at once, whatever
-# the model (measured with four threads of plain nn.Linear + item(): 4 of 10 runs). There
-# the threads take turns; from mlx 0.31 they run at once.
-CONCURRENT_THREADS = rel.MLX_VERSION >= (0, 31)
+# Before mlx 0.32 threads evaluating at once crash the process: mlx 0.30 (the 0.3.9 pin) with
+# four threads of plain nn.Linear + item() (segfault in 4 of 10 runs), mlx 0.31.2 (the 0.4.4
+# pins) in this test's four-thread run (SIGSEGV in 3 CI runs; plain MLX only aborted at exit).
+# There the threads take turns; from mlx 0.32 they run at once (never failed in CI).
+CONCURRENT_THREADS = rel.MLX_VERSION >= (0, 32)
 
 FRESH_SCRIPT = textwrap.dedent(
     """
