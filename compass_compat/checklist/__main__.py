@@ -1,0 +1,61 @@
+"""``python -m compass_compat.checklist``: print the table (or JSON) and exit 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .report import IMPLEMENTATIONS, UPSTREAM
+from .runner import run_checklist
+
+
+def _parse_items(text: str) -> List[int]:
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--items takes comma-separated item numbers, got {text!r}") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: print the table (or JSON) and return the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m compass_compat.checklist",
+        description="Check, at the installed mlx-vlm pin, every item that must hold before the "
+        "vendored cohere_compass can be deleted (CHECKLIST.md). Exit 0: all pass; "
+        "1: some fail; 2: could not run.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        default=UPSTREAM,
+        help="check mlx-vlm's own package (default) or the vendored one",
+    )
+    parser.add_argument(
+        "--items", type=_parse_items, default=None, help="comma-separated item numbers to run (default: all)"
+    )
+    parser.add_argument(
+        "--fixtures",
+        type=Path,
+        default=None,
+        help="directory with reference/ and images/ (default: <repo>/tests/fixtures)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        report = run_checklist(args.implementation, args.items, args.fixtures)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        print(report.table())
+    if report.error is not None and not args.json:
+        print(f"could not run: {report.error}", file=sys.stderr)
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

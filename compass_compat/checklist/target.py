@@ -1,0 +1,72 @@
+"""Which ``cohere_compass`` is measured: mlx-vlm's own (upstream) or compass-compat's vendored copy."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .report import IMPLEMENTATIONS, UPSTREAM, VENDORED, CouldNotRun
+
+MODEL_TYPE = "cohere_compass"
+PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
+FIRST_UPSTREAM_RELEASE = "0.6.13"
+
+
+def within(path: Optional[str], directory: Path) -> bool:
+    """Whether ``path`` lies under ``directory`` (links resolved); False for no path."""
+    if not path:
+        return False
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([real, base]) == base
+
+
+@dataclass
+class Target:
+    """The implementation under test, once made live as ``mlx_vlm.models.cohere_compass``."""
+
+    kind: str
+    available: bool
+    package_dir: Optional[Path]
+    mlx_vlm_version: str
+    why_unavailable: str = ""
+
+
+def select_implementation(kind: str) -> Target:
+    """Make ``kind`` the live ``mlx_vlm.models.cohere_compass`` and say where it lives.
+
+    upstream: the default patch (upstream wins), undoing a forced patch first (e.g.
+    ``COMPASS_COMPAT_FORCE_VENDORED=1`` in the environment); vendored:
+    ``apply_patch(force_vendored=True)``.
+    """
+    if kind not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {kind!r}")
+    import compass_compat
+
+    try:
+        info = compass_compat.implementation_info()
+        if kind == VENDORED:
+            compass_compat.apply_patch(force_vendored=True)
+        elif info.forced or not info.patched:
+            compass_compat.remove_patch()
+            compass_compat.apply_patch(force_vendored=False)
+        info = compass_compat.implementation_info()
+    except compass_compat.CompassCompatError as exc:
+        raise CouldNotRun(f"could not select the {kind} cohere_compass: {exc}") from exc
+    if kind == UPSTREAM and not info.upstream_available:
+        return Target(
+            kind,
+            False,
+            None,
+            info.mlx_vlm_version,
+            f"no upstream cohere_compass (mlx-vlm {info.mlx_vlm_version} ships none; "
+            f"the first release that does is {FIRST_UPSTREAM_RELEASE})",
+        )
+    module = importlib.import_module(PACKAGE)
+    package_dir = Path(module.__file__ or "").resolve().parent
+    vendored_live = within(module.__file__, Path(info.vendor_dir))
+    if vendored_live != (kind == VENDORED):
+        raise CouldNotRun(f"could not make the {kind} cohere_compass live: {PACKAGE} is {module.__file__}")
+    return Target(kind, True, package_dir, info.mlx_vlm_version)
