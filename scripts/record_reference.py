@@ -25,7 +25,7 @@ and, for each case, records into tests/fixtures/reference/<case>.safetensors:
 
 ``pixel_values`` [N, 3*2*16*16] would dominate the fixtures' size, so they are stored losslessly
 packed (``pack_pixel_values``): the first of the two identical temporal slots only, as uint8 codes
-into a per-channel table of the float32 values. tests/conftest.py unpacks them.
+into a per-channel table of the float32 values. compass_compat/checklist/harness.py unpacks them.
 
 tests/fixtures/reference/index.json holds the metadata: versions, the weights' sha256, the cases
 with their messages, rendered prompt and greedy ids.
@@ -304,7 +304,7 @@ def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
     Keeps the first temporal slot only, and since every value comes from one 8-bit sample of its
     channel, stores per channel the sorted distinct float32 values (``pixel_values_levels``
     [3, 256]) and for every entry the index of its value (``pixel_values_codes`` [N, 3*P*P] uint8).
-    ``unpack_pixel_values`` (tests/conftest.py) restores the exact array; checked here.
+    ``unpack_pixel_values`` restores the exact array; checked here.
     """
     n = pixel_values.shape[0]
     frames = pixel_values.reshape(n, 3, 2, -1)
@@ -324,7 +324,8 @@ def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
 
 
 def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixel_values` (same code as tests/conftest.py)."""
+    """Inverse of :func:`pack_pixel_values`: the code of ``compass_compat.checklist.harness``, kept here
+    because this script must not import compass_compat (importing it patches mlx-vlm)."""
     n = pixel_values_codes.shape[0]
     codes = pixel_values_codes.reshape(n, 3, 1, -1).astype(np.intp)
     frame0 = np.take_along_axis(pixel_values_levels[None, :, None, :], codes, axis=-1)

@@ -6,22 +6,14 @@ import functools
 import json
 import pathlib
 
-import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
+from compass_compat.checklist.harness import read_case_arrays
 from compass_compat.tiny import build_tiny_checkpoint
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 REFERENCE_DIR = FIXTURES / "reference"
 IMAGES_DIR = FIXTURES / "images"
-
-
-def unpack_pixel_values(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """[N, 3*2*P*P] float32 pixel_values from the packed form of scripts/record_reference.py."""
-    n = codes.shape[0]
-    frame0 = np.take_along_axis(levels[None, :, None, :], codes.reshape(n, 3, 1, -1).astype(np.intp), axis=-1)
-    return np.repeat(frame0, 2, axis=2).reshape(n, -1)
 
 
 class ReferenceFixtures:
@@ -39,11 +31,7 @@ class ReferenceFixtures:
 
     @functools.lru_cache(maxsize=None)
     def _arrays(self, name: str) -> dict:
-        arrays = load_file(str(self.directory / self.index["cases"][name]["file"]))
-        if "pixel_values_codes" in arrays:
-            arrays["pixel_values"] = unpack_pixel_values(
-                arrays.pop("pixel_values_codes"), arrays.pop("pixel_values_levels")
-            )
+        arrays = read_case_arrays(self.directory / self.index["cases"][name]["file"])
         for value in arrays.values():
             value.flags.writeable = False
         return arrays

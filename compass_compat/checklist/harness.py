@@ -1,4 +1,7 @@
-"""The reference fixtures, the tiny checkpoints, and driving a model the way mlx-vlm drives it."""
+"""The reference fixtures, the tiny checkpoints, and driving a model the way mlx-vlm drives it.
+
+:func:`read_case_arrays` is the one reader of a case file (``tests/conftest.py`` uses it too).
+"""
 
 from __future__ import annotations
 
