@@ -62,9 +62,7 @@ from .report import (
 from .runner import run_checklist
 from .target import FIRST_UPSTREAM_RELEASE, MODEL_TYPE, PACKAGE, Target, select_implementation, within
 
-# The names these had as private helpers of the one-file checklist (the tests still use them).
-_within = within
-_external_imports = external_imports
+# The probe's name when it was private to the one-file checklist (tests/test_pixel_bounds.py uses it).
 _preprocessor_probe = preprocessor_probe
 
 
