@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .weight_tree import weight_tree
+
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -576,65 +578,13 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
 
 
 def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-    """``{mlx key: (shape, kind)}`` of every parameter the model has for ``model_config``.
-
-    kind: ``"linear"`` and ``"embedding"`` (quantizable), ``"conv"`` (the patch embedding,
-    MLX layout), ``"plain"``. Derived from the config by arithmetic, independently of the
-    model code (a test checks the two agree). ``tied``: the head decision for the stored
-    weights (``model_config.head_tied``); None means the head the config alone implies.
+    """``{mlx key: (shape, kind)}`` of every parameter the model has for ``model_config``
+    (:func:`compass_compat.weight_tree.weight_tree`; kinds ``linear`` and ``embedding`` are
+    quantizable, ``conv`` is the patch embedding in MLX layout). ``tied``: the head decision for
+    the stored weights (``model_config.head_tied``); None means the head the config alone implies.
     """
-    t, v = model_config.text_config, model_config.vision_config
-    out: Dict[str, Tuple[Tuple[int, ...], str]] = {}
-    d, hd = t.hidden_size, t.head_dim
-    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
-
-    def linear(prefix: str, n_out: int, n_in: int, bias: bool) -> None:
-        out[prefix + ".weight"] = ((n_out, n_in), "linear")
-        if bias:
-            out[prefix + ".bias"] = ((n_out,), "plain")
-
-    lm = "language_model.model."
-    out[lm + "embed_tokens.weight"] = ((t.vocab_size, d), "embedding")
-    for i in range(t.num_hidden_layers):
-        p = f"{lm}layers.{i}."
-        out[p + "input_layernorm.weight"] = ((d,), "plain")
-        for name, n_out, n_in in (("q_proj", q, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, q)):
-            linear(p + "self_attn." + name, n_out, n_in, t.attention_bias)
-        for name, n_out, n_in in (
-            ("gate_proj", t.intermediate_size, d),
-            ("up_proj", t.intermediate_size, d),
-            ("down_proj", d, t.intermediate_size),
-        ):
-            linear(p + "mlp." + name, n_out, n_in, False)
-    out[lm + "norm.weight"] = ((d,), "plain")
-    if not (model_config.tie_word_embeddings if tied is None else tied):
-        linear("language_model.lm_head", t.vocab_size, d, False)
-
-    vd, vi = v.hidden_size, v.intermediate_size
-    merged = vd * v.spatial_merge_size**2
-    vt = "vision_tower."
-    conv = (vd, v.temporal_patch_size, v.patch_size, v.patch_size, v.in_channels)
-    out[vt + "patch_embed.proj.weight"] = (conv, "conv")
-    out[vt + "patch_embed.proj.bias"] = ((vd,), "plain")
-    out[vt + "pos_embed.weight"] = ((v.num_position_embeddings, vd), "embedding")
-    for i in range(v.depth):
-        p = f"{vt}blocks.{i}."
-        for norm in ("norm1", "norm2"):
-            out[p + norm + ".weight"] = ((vd,), "plain")
-            out[p + norm + ".bias"] = ((vd,), "plain")
-        linear(p + "attn.qkv", 3 * vd, vd, True)
-        linear(p + "attn.proj", vd, vd, True)
-        linear(p + "mlp.linear_fc1", vi, vd, True)
-        linear(p + "mlp.linear_fc2", vd, vi, True)
-    mergers = [("merger.", vd)] + [
-        (f"deepstack_merger_list.{k}.", merged) for k in range(len(v.deepstack_visual_indexes))
-    ]
-    for p, norm_dim in mergers:
-        out[vt + p + "norm.weight"] = ((norm_dim,), "plain")
-        out[vt + p + "norm.bias"] = ((norm_dim,), "plain")
-        linear(vt + p + "linear_fc1", merged, merged, True)
-        linear(vt + p + "linear_fc2", v.out_hidden_size, merged, True)
-    return out
+    tied = model_config.tie_word_embeddings if tied is None else tied
+    return weight_tree(model_config.text_config, model_config.vision_config, tied=tied)
 
 
 def _defaulted_hint(config: Dict[str, Any]) -> str:

@@ -38,6 +38,8 @@ from typing import Dict, Iterator, Mapping, Tuple
 
 import numpy as np
 
+from .weight_tree import weight_tree
+
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "data" / "tiny_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # Embedding rows; the tokenizer has 512 entries (published: 262144 rows, 255035 entries).
@@ -162,6 +164,19 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
     )
 
 
+def strip_test_keys(config: dict) -> dict:
+    """A copy of ``config`` without the ``compass_compat_unknown_*`` keys (at every level) that
+    the tiny checkpoint carries so that loaders are tested to ignore unknown keys."""
+
+    def clean(block: dict) -> dict:
+        return {k: v for k, v in block.items() if not k.startswith("compass_compat_unknown_")}
+
+    out = clean(copy.deepcopy(config))
+    for level in ("text_config", "vision_config"):
+        out[level] = clean(out[level])
+    return out
+
+
 def tiny_pixel_bounds(variant: str = "default") -> Tuple[int, int]:
     """(min_pixels, max_pixels) the processor uses: tokenizer_config.json's, scaled to tiny images."""
     _check("variant", variant, VARIANTS)
@@ -226,61 +241,56 @@ def tiny_generation_config() -> dict:
 
 
 # --------------------------------------------------------------------------- weights
+# Noise standard deviation per tensor (MLX-layout key suffix; first match wins). They keep
+# activations O(1) while attention is far from uniform and greedy argmax is decisive, yet small
+# enough that float32 summation-order noise stays well below the 1e-4 logit tolerance at image
+# positions (measured against the reference by scripts/record_reference.py).
+_SCALES = (
+    ("embed_tokens.weight", 1.2),
+    ("q_proj.weight", 0.2),
+    ("k_proj.weight", 0.2),
+    ("v_proj.weight", 0.15),
+    ("o_proj.weight", 0.18),
+    ("gate_proj.weight", 0.15),
+    ("up_proj.weight", 0.15),
+    ("down_proj.weight", 0.18),
+    ("patch_embed.proj.weight", 0.03),
+    ("patch_embed.proj.bias", 0.1),
+    ("pos_embed.weight", 0.5),
+    ("attn.qkv.weight", 0.12),
+    ("attn.proj.weight", 0.15),
+    ("mlp.linear_fc1.weight", 0.12),
+    ("mlp.linear_fc2.weight", 0.12),
+    ("linear_fc1.weight", 0.1),  # the mergers
+    ("linear_fc2.weight", 0.1),
+)
+
+
 def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
-    """(original-layout key, shape, kind, scale) of every tensor, in a fixed order.
+    """(original-layout key, shape, kind, scale) of every tensor, from the one weight tree
+    (:func:`compass_compat.weight_tree.weight_tree`).
 
-    kind "noise": uniform noise with standard deviation ``scale``; "norm": ``1 + noise``.
-    Scales keep activations O(1) while attention is far from uniform and greedy argmax is
-    decisive, yet small enough that float32 summation-order noise stays well below the 1e-4
-    logit tolerance at image positions (measured against the reference by scripts/record_reference.py).
+    kind "noise": uniform noise with standard deviation ``scale``; "norm": ``1 + noise``
+    (a norm's scale, std 0.1). Biases and norm shifts: std 0.05.
     """
-    t, v = TEXT, VISION
-    d, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
-    hd, inter = d // heads, t["intermediate_size"]
-    lm = "model.language_model."
-    yield lm + "embed_tokens.weight", (PADDED_VOCAB_SIZE, d), "noise", 1.2
-    for i in range(t["num_hidden_layers"]):
-        p = f"{lm}layers.{i}."
-        yield p + "input_layernorm.weight", (d,), "norm", 0.1
-        yield p + "self_attn.q_proj.weight", (heads * hd, d), "noise", 0.2
-        yield p + "self_attn.k_proj.weight", (kv * hd, d), "noise", 0.2
-        yield p + "self_attn.v_proj.weight", (kv * hd, d), "noise", 0.15
-        yield p + "self_attn.o_proj.weight", (d, heads * hd), "noise", 0.18
-        yield p + "mlp.gate_proj.weight", (inter, d), "noise", 0.15
-        yield p + "mlp.up_proj.weight", (inter, d), "noise", 0.15
-        yield p + "mlp.down_proj.weight", (d, inter), "noise", 0.18
-    yield lm + "norm.weight", (d,), "norm", 0.1
+    text = dict(TEXT, vocab_size=PADDED_VOCAB_SIZE)
+    for key, (shape, kind) in weight_tree(text, VISION, tied=True).items():
+        if kind == "norm":
+            yield _original_key(key), shape, "norm", 0.1
+            continue
+        if kind == "conv":  # MLX [O, T, P, P, C] -> torch [O, C, T, P, P]
+            shape = (shape[0], shape[4], shape[1], shape[2], shape[3])
+        scale = next((std for suffix, std in _SCALES if key.endswith(suffix)), 0.05 if kind == "bias" else None)
+        if scale is None:
+            raise AssertionError(f"no noise scale for {key}")
+        yield _original_key(key), shape, "noise", scale
 
-    vd, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-    merged = vd * v["spatial_merge_size"] ** 2
-    vis = "model.visual."
-    patch = (vd, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
-    yield vis + "patch_embed.proj.weight", patch, "noise", 0.03
-    yield vis + "patch_embed.proj.bias", (vd,), "noise", 0.1
-    yield vis + "pos_embed.weight", (v["num_position_embeddings"], vd), "noise", 0.5
-    for i in range(v["depth"]):
-        p = f"{vis}blocks.{i}."
-        for norm in ("norm1", "norm2"):
-            yield p + norm + ".weight", (vd,), "norm", 0.1
-            yield p + norm + ".bias", (vd,), "noise", 0.05
-        yield p + "attn.qkv.weight", (3 * vd, vd), "noise", 0.12
-        yield p + "attn.qkv.bias", (3 * vd,), "noise", 0.05
-        yield p + "attn.proj.weight", (vd, vd), "noise", 0.15
-        yield p + "attn.proj.bias", (vd,), "noise", 0.05
-        yield p + "mlp.linear_fc1.weight", (vi, vd), "noise", 0.12
-        yield p + "mlp.linear_fc1.bias", (vi,), "noise", 0.05
-        yield p + "mlp.linear_fc2.weight", (vd, vi), "noise", 0.12
-        yield p + "mlp.linear_fc2.bias", (vd,), "noise", 0.05
-    mergers = [("merger.", vd)] + [
-        (f"deepstack_merger_list.{k}.", merged) for k in range(len(v["deepstack_visual_indexes"]))
-    ]
-    for p, norm_dim in mergers:
-        yield vis + p + "norm.weight", (norm_dim,), "norm", 0.1
-        yield vis + p + "norm.bias", (norm_dim,), "noise", 0.05
-        yield vis + p + "linear_fc1.weight", (merged, merged), "noise", 0.1
-        yield vis + p + "linear_fc1.bias", (merged,), "noise", 0.05
-        yield vis + p + "linear_fc2.weight", (out, merged), "noise", 0.1
-        yield vis + p + "linear_fc2.bias", (out,), "noise", 0.05
+
+def _original_key(key: str) -> str:
+    for src, dst in PREFIXES:
+        if key.startswith(dst):
+            return src + key[len(dst) :]
+    raise AssertionError(f"{key} has no original-layout prefix")
 
 
 def _uniform_noise(seed: int, key: str, shape: Tuple[int, ...], std: float) -> np.ndarray:
@@ -394,6 +404,22 @@ def build_tiny_checkpoint(
     variant: str = "default",
 ) -> pathlib.Path:
     """Write the tiny checkpoint folder at ``path`` (created if needed) and return it."""
+    return write_checkpoint(
+        path, tiny_config(variant, dtype), tiny_weights(seed), layout=layout, dtype=dtype, variant=variant
+    )
+
+
+def write_checkpoint(
+    path,
+    config: dict,
+    weights: Mapping[str, np.ndarray],
+    *,
+    layout: str = "original",
+    dtype: str = "float32",
+    variant: str = "default",
+) -> pathlib.Path:
+    """Write a checkpoint folder with the tiny file set: ``config`` and original-layout ``weights``
+    (stored in ``layout`` and ``dtype``), the variant's processor files and the tiny tokenizer."""
     _check("layout", layout, LAYOUTS)
     _check("dtype", dtype, DTYPES)
     _check("variant", variant, VARIANTS)
@@ -403,7 +429,7 @@ def build_tiny_checkpoint(
     def dump(name: str, obj: dict) -> None:
         (path / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
-    dump("config.json", tiny_config(variant, dtype))
+    dump("config.json", config)
     dump("preprocessor_config.json", tiny_preprocessor_config(variant))
     dump("generation_config.json", tiny_generation_config())
     if layout == "mlx":
@@ -414,7 +440,6 @@ def build_tiny_checkpoint(
         else:
             shutil.copyfile(TOKENIZER_DIR / name, path / name)
 
-    weights = tiny_weights(seed)
     if layout == "mlx":
         weights = to_mlx_layout(weights)
     save_safetensors(path / "model.safetensors", weights, dtype)

@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from compass_compat import tiny  # noqa: E402
+from compass_compat.weight_tree import weight_tree  # noqa: E402
 
 VARIANTS = ("bf16", "4bit")
 FORMAT_VERSION = 3  # bump when the weights or config written here change
@@ -110,16 +111,9 @@ def default_dir() -> pathlib.Path:
 # --------------------------------------------------------------------------- config
 def fullsize_config(variant: str) -> dict:
     """config.json: the tiny checkpoint's (token ids, layout of keys) with full-size dims."""
-    config = tiny.tiny_config("default", "bfloat16")
-    for key in [k for k in config if k.startswith("compass_compat_unknown")]:
-        del config[key]
-    text = config["text_config"]
-    for key in [k for k in text if k.startswith("compass_compat_unknown")]:
-        del text[key]
+    config = tiny.strip_test_keys(tiny.tiny_config("default", "bfloat16"))
+    text, vision = config["text_config"], config["vision_config"]
     text.update(copy.deepcopy(TEXT), rope_parameters=copy.deepcopy(ROPE), tie_word_embeddings=True)
-    vision = config["vision_config"]
-    for key in [k for k in vision if k.startswith("compass_compat_unknown")]:
-        del vision[key]
     vision.update(copy.deepcopy(VISION))
     config["compass_compat_stand_in"] = "random weights, full-size shapes (scripts/build_fullsize.py)"
     if variant == "4bit":
@@ -131,63 +125,15 @@ def fullsize_config(variant: str) -> dict:
 
 # --------------------------------------------------------------------------- weights
 def weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float, bool]]:
-    """(MLX-layout key, shape, kind, std, quantizable) of every tensor of the full-size model.
+    """(MLX-layout key, shape, kind, std, quantizable) of every tensor of the full-size model,
+    from the one weight tree (:func:`compass_compat.weight_tree.weight_tree`).
 
     kind "noise": uniform noise of standard deviation ``std``; "norm": ``1 + noise``.
     ``quantizable``: a text Linear/Embedding weight (mlx-vlm's converter skips the vision tower).
     """
-    t, v = TEXT, VISION
-    d, heads, kv, hd, inter = (
-        t["hidden_size"],
-        t["num_attention_heads"],
-        t["num_key_value_heads"],
-        t["head_dim"],
-        t["intermediate_size"],
-    )
-    lm = "language_model.model."
-    yield lm + "embed_tokens.weight", (t["vocab_size"], d), "noise", 0.02, True
-    for i in range(t["num_hidden_layers"]):
-        p = f"{lm}layers.{i}."
-        yield p + "input_layernorm.weight", (d,), "norm", 0.05, False
-        yield p + "self_attn.q_proj.weight", (heads * hd, d), "noise", 0.02, True
-        yield p + "self_attn.k_proj.weight", (kv * hd, d), "noise", 0.02, True
-        yield p + "self_attn.v_proj.weight", (kv * hd, d), "noise", 0.02, True
-        yield p + "self_attn.o_proj.weight", (d, heads * hd), "noise", 0.02, True
-        yield p + "mlp.gate_proj.weight", (inter, d), "noise", 0.02, True
-        yield p + "mlp.up_proj.weight", (inter, d), "noise", 0.02, True
-        yield p + "mlp.down_proj.weight", (d, inter), "noise", 0.02, True
-    yield lm + "norm.weight", (d,), "norm", 0.05, False
-
-    vd, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-    merged = vd * v["spatial_merge_size"] ** 2
-    vis = "vision_tower."
-    patch = (vd, v["temporal_patch_size"], v["patch_size"], v["patch_size"], v["in_channels"])
-    yield vis + "patch_embed.proj.weight", patch, "noise", 0.02, False
-    yield vis + "patch_embed.proj.bias", (vd,), "noise", 0.02, False
-    yield vis + "pos_embed.weight", (v["num_position_embeddings"], vd), "noise", 0.02, False
-    for i in range(v["depth"]):
-        p = f"{vis}blocks.{i}."
-        for norm in ("norm1", "norm2"):
-            yield p + norm + ".weight", (vd,), "norm", 0.05, False
-            yield p + norm + ".bias", (vd,), "noise", 0.02, False
-        yield p + "attn.qkv.weight", (3 * vd, vd), "noise", 0.02, False
-        yield p + "attn.qkv.bias", (3 * vd,), "noise", 0.02, False
-        yield p + "attn.proj.weight", (vd, vd), "noise", 0.02, False
-        yield p + "attn.proj.bias", (vd,), "noise", 0.02, False
-        yield p + "mlp.linear_fc1.weight", (vi, vd), "noise", 0.02, False
-        yield p + "mlp.linear_fc1.bias", (vi,), "noise", 0.02, False
-        yield p + "mlp.linear_fc2.weight", (vd, vi), "noise", 0.02, False
-        yield p + "mlp.linear_fc2.bias", (vd,), "noise", 0.02, False
-    mergers = [("merger.", vd)] + [
-        (f"deepstack_merger_list.{k}.", merged) for k in range(len(v["deepstack_visual_indexes"]))
-    ]
-    for p, norm_dim in mergers:
-        yield vis + p + "norm.weight", (norm_dim,), "norm", 0.05, False
-        yield vis + p + "norm.bias", (norm_dim,), "noise", 0.02, False
-        yield vis + p + "linear_fc1.weight", (merged, merged), "noise", 0.02, False
-        yield vis + p + "linear_fc1.bias", (merged,), "noise", 0.02, False
-        yield vis + p + "linear_fc2.weight", (out, merged), "noise", 0.02, False
-        yield vis + p + "linear_fc2.bias", (out,), "noise", 0.02, False
+    for key, (shape, kind) in weight_tree(TEXT, VISION, tied=True).items():
+        quantizable = key.startswith("language_model.") and kind in ("linear", "embedding")
+        yield key, shape, ("norm" if kind == "norm" else "noise"), (0.05 if kind == "norm" else 0.02), quantizable
 
 
 def bf16_chunks(seed: int, key: str, shape, kind: str, std: float) -> Iterator[np.ndarray]:

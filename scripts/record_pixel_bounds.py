@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -37,6 +36,7 @@ import tempfile
 import warnings
 from typing import Any, Dict, Optional
 
+import _unpatched  # scripts/_unpatched.py
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,17 +46,8 @@ IMAGES = {"224x224": (224, 224), "4032x3024": (3024, 4032)}  # name -> (height, 
 SAMPLES = 16
 
 
-def _load_tiny():
-    # By path, as scripts/record_reference.py does: tiny.py is self-contained, and importing
-    # the compass_compat package would patch mlx-vlm.
-    spec = importlib.util.spec_from_file_location("_compass_compat_tiny", ROOT / "compass_compat" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # The published preprocessor_config.json (the default tiny checkpoint writes it as published).
-PUBLISHED_PREPROCESSOR = _load_tiny().tiny_preprocessor_config()
+PUBLISHED_PREPROCESSOR = _unpatched.module("tiny").tiny_preprocessor_config()
 PUBLISHED_TOKENIZER_BOUNDS = {"min_pixels": 16384, "max_pixels": 3868706}
 # The image_processor block of processor_config.json as mlx-vlm 0.7.10's converter writes it
 # (tests/fixtures/quantized_0710/*/processor_config.json), with the published mean/std.

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import pathlib
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
+import _unpatched  # scripts/_unpatched.py
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,16 +52,7 @@ N_GREEDY = 32
 FORMAT = 1
 
 
-def _load_tiny():
-    # By path: importing the compass_compat package would patch mlx-vlm, which the reference
-    # recording must not depend on. tiny.py is self-contained (numpy + json).
-    spec = importlib.util.spec_from_file_location("_compass_compat_tiny", ROOT / "compass_compat" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load_tiny()
+tiny = _unpatched.module("tiny")  # without the patch: the reference must not depend on it
 
 # name -> (width, height, seed)
 IMAGES = {
