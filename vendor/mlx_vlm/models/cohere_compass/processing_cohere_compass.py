@@ -175,10 +175,11 @@ def without_double_bos(tokenizer):
     """Make ``tokenizer`` skip its own BOS when the text already starts with it.
 
     Every mlx-vlm pin tokenizes text-only chat prompts with ``add_special_tokens=True``
-    straight through ``processor.tokenizer``, while the chat template already wrote
-    ``{{ bos_token }}``; a Cohere-style BOS post-processor would then give two BOS tokens.
-    The instance's class is swapped for a subclass (same state, same name) so every
-    caller of this tokenizer gets the fix, not only this processor. The subclass also
+    straight through ``processor.tokenizer`` (and image prompts through the processor,
+    which calls it the same way), while the chat template already wrote ``{{ bos_token }}``;
+    a Cohere-style BOS post-processor would then give two BOS tokens. This is the only
+    double-BOS guard. The instance's class is swapped for a subclass (same state, same
+    name) so every caller of this tokenizer gets the fix, not only this processor. The subclass also
     refuses text holding the video token (:func:`refuse_video_text`): mlx-vlm tokenizes
     text-only prompts itself, so this processor's ``__call__`` never sees them.
     """
@@ -293,14 +294,14 @@ class CohereCompassProcessor:
             image_defaults = {k: init_kwargs[k] for k in PIXEL_BOUND_KEYS if init_kwargs.get(k) is not None}
         self.image_defaults = dict(image_defaults)
         self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
-        self.tokenizer = tokenizer
+        # The one double-BOS guard is the tokenizer's own (from_pretrained's has it already).
+        self.tokenizer = without_double_bos(tokenizer)
         # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
         self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         self.image_token_id = self._token_id(self.image_token, required=True)
         self.video_token_id = self._token_id(self.video_token)
         self.vision_start_token_id = self._token_id(self.vision_start_token)
         self.vision_end_token_id = self._token_id(self.vision_end_token)
-        self._adds_bos = None
 
     def _token_id(self, token: str, required: bool = False) -> Optional[int]:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -346,14 +347,6 @@ class CohereCompassProcessor:
     @property
     def model_input_names(self) -> List[str]:
         return ["input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
-
-    def tokenizer_adds_bos(self) -> bool:
-        """Whether ``add_special_tokens=True`` makes the tokenizer prepend its BOS token."""
-        if self._adds_bos is None:
-            bos_id = self.tokenizer.bos_token_id
-            ids = self.tokenizer("", add_special_tokens=True)["input_ids"]
-            self._adds_bos = bos_id is not None and list(ids[:1]) == [bos_id]
-        return self._adds_bos
 
     def __call__(
         self,
@@ -403,10 +396,6 @@ class CohereCompassProcessor:
 
         data = {}
         if texts is not None:
-            if add_special_tokens and self.tokenizer_adds_bos():
-                # The chat template already wrote the BOS token; let the tokenizer add the only one.
-                bos = self.tokenizer.bos_token
-                texts = [t[len(bos) :] if t.startswith(bos) else t for t in texts]
             if padding_side is not None:
                 tokenizer_kwargs["padding_side"] = padding_side
             tokenizer_kwargs.setdefault("return_token_type_ids", False)
