@@ -55,6 +55,7 @@ import math
 import os
 import struct
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -323,23 +324,23 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
     return []
 
 
-@functools.lru_cache(maxsize=1)
-def _config_module():
-    # The vendored config.py by path: it imports only the standard library, so this needs
-    # neither mlx nor the live mlx_vlm package (upstream's may be the live one).
+def _vendored_module(name: str):
+    """A module of the vendored package, loaded from its file without the package's
+    ``__init__`` (which imports mlx and mlx-vlm), so the checks need neither and work where
+    upstream's package is the live one. The modules load inside one stand-in package, so
+    their relative imports of each other resolve there."""
     from ._patch import vendor_root
 
-    path = vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE / "config.py"
-    name = "compass_compat._checked_config"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    package = "compass_compat._checked_vendor"
+    if package not in sys.modules:
+        stand_in = sys.modules[package] = types.ModuleType(package)
+        stand_in.__path__ = [str(vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE)]
+    return importlib.import_module(f"{package}.{name}")
+
+
+def _config_module():
+    # The vendored config.py: it imports only the standard library.
+    return _vendored_module("config")
 
 
 def _model_config(folder: Path, config: Dict[str, Any]):
@@ -402,18 +403,14 @@ def processing_module():
     live = sys.modules.get(f"mlx_vlm.models.{MODEL_TYPE}.processing_cohere_compass")
     if live is not None and Path(getattr(live, "__file__", None) or "").resolve() == path:
         return live
-    name = "compass_compat._checked_processing"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _vendored_module("processing_cohere_compass")
 
 
 def pixel_bounds(
     folder: Any, load_kwargs: Optional[Dict[str, Any]] = None, call_kwargs: Optional[Dict[str, Any]] = None
 ):
     """The min / max pixels a cohere_compass processor built from ``folder`` resizes within,
-    with their sources (``PixelBounds``; the precedence table is in the vendored processor's
+    with their sources (``PixelBounds``; the precedence table is in the vendored image processor's
     "pixel bounds" section). Values are not validated here: :func:`validate_checkpoint` does."""
     return processing_module().read_pixel_bounds(Path(os.fspath(folder)), load_kwargs, call_kwargs)
 

@@ -556,7 +556,7 @@ def prepare_inputs(path: pathlib.Path, checkpoint: pathlib.Path, preset: dict, s
     from compass_compat.tiny import special_token_ids
 
     spec = importlib.util.spec_from_file_location(
-        "_compass_processing", REPO / "vendor/mlx_vlm/models/cohere_compass/processing_cohere_compass.py"
+        "_compass_processing", REPO / "vendor/mlx_vlm/models/cohere_compass/image_processing_cohere_compass.py"
     )
     processing = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(processing)

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE = ROOT / "vendor/mlx_vlm/models/cohere_compass/processing_cohere_compass.py"
+MODULE = ROOT / "vendor/mlx_vlm/models/cohere_compass/image_processing_cohere_compass.py"
 
 
 def load_ours():

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROCESSING = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "processing_cohere_compass.py"
+PROCESSING = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "image_processing_cohere_compass.py"
 MIB = 1024 * 1024
 
 # The published preprocessor_config.json values.

@@ -1,7 +1,7 @@
 """Record transformers' image pixel bounds for cohere_compass folders into a fixture.
 
 The folders have the published layouts of the files that decide the bounds (see the
-"pixel bounds" section of the vendored processing_cohere_compass.py for the precedence):
+"pixel bounds" section of the vendored image_processing_cohere_compass.py for the precedence):
 
 - ``cohere_original``: CohereLabs' files: preprocessor_config.json says 65536 / 16777216,
   tokenizer_config.json says min_pixels 16384 / max_pixels 3868706;
@@ -138,7 +138,7 @@ CASES.update(
     }
 )
 # Cases where the reference raises and the vendored processor, on purpose, does not (see the
-# processor's "pixel bounds" notes): not recorded.
+# image processor's "pixel bounds" notes): not recorded.
 LENIENT = {
     "no_tokenizer_bounds/call_size_one_edge": ("no_tokenizer_bounds", {}, {"size": {"longest_edge": 1003520}}),
 }

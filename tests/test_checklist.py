@@ -211,6 +211,7 @@ DEFECTS_DRIVER = textwrap.dedent(
     language = importlib.import_module("mlx_vlm.models.cohere_compass.language")
     model_module = importlib.import_module("mlx_vlm.models.cohere_compass.cohere_compass")
     processing = importlib.import_module("mlx_vlm.models.cohere_compass.processing_cohere_compass")
+    image_processing = importlib.import_module("mlx_vlm.models.cohere_compass.image_processing_cohere_compass")
 
     def sliding_window_off_by_one():
         original = language.causal_mask
@@ -237,15 +238,15 @@ DEFECTS_DRIVER = textwrap.dedent(
         # The old processor's mistake: tokenizer_config.json's min/max_pixels not merged in.
         # Only while the processor loads: the checklist's expectation uses the same resolver.
         cls = processing.CohereCompassProcessor
-        original, resolve = cls.__dict__["from_pretrained"], processing.resolve_pixel_bounds
+        original, resolve = cls.__dict__["from_pretrained"], image_processing.resolve_pixel_bounds
         def without_tokenizer(image_config, image_config_file=None, tokenizer_config=None, *args, **kwargs):
             return resolve(image_config, image_config_file, None, *args, **kwargs)
         def from_pretrained(c, *args, **kwargs):
-            processing.resolve_pixel_bounds = without_tokenizer
+            image_processing.resolve_pixel_bounds = without_tokenizer
             try:
                 return original.__func__(c, *args, **kwargs)
             finally:
-                processing.resolve_pixel_bounds = resolve
+                image_processing.resolve_pixel_bounds = resolve
         cls.from_pretrained = classmethod(from_pretrained)
         return lambda: setattr(cls, "from_pretrained", original)
 

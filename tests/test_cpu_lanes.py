@@ -296,6 +296,19 @@ def test_large_layer_with_one_lane_is_the_plain_call(lanes, no_pieces):
     assert mx.array_equal(whole, split).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+def test_quantized_layer_takes_float32_activations_on_the_cpu(lanes, dtype):
+    """The float32 rule lives in ``linear``: half-precision activations of a quantized layer go
+    through ``quantized_matmul`` in float32, the result cast back; opted out, the plain call."""
+    layer = _layers()["quantized_4bit"]
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(5)).astype(dtype)
+    lanes(1)
+    got = cpu_lanes.linear(layer, x)
+    assert got.dtype == dtype
+    assert _graph(got) == _graph(layer(x.astype(mx.float32)).astype(dtype))
+    assert _graph(cpu_lanes.linear(layer, x, float32_quantized=False)) == _graph(layer(x))
+
+
 def test_float32_2d_activations_keep_the_transposed_operands(lanes, no_pieces):
     """Vision-tower shape ([N, D], float32 weights): one piece over all rows, as before."""
     layer = nn.Linear(96, 200, bias=True)

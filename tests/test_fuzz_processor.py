@@ -15,7 +15,6 @@ it runs in every pass of the matrix, including the one where upstream's package 
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from vendored import by_path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "processing_cohere_compass.py"
 TOKENIZER_DIR = ROOT / "compass_compat" / "data" / "tiny_tokenizer"
 
 MIN_PIXELS, MAX_PIXELS = 16384, 602112  # the tiny checkpoint's bounds (the published ones cost 30x more)
@@ -35,14 +34,7 @@ MODES = ("L", "LA", "RGB", "RGBA", "P", "CMYK", "I;16")
 EXAMPLE_SECONDS = 20  # alarm: a call that takes this long is a hang
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("compass_processing_fuzzed", MODULE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pc = _load_module()
+pc = by_path("processing_cohere_compass", "compass_processing_fuzzed")
 
 
 @pytest.fixture(scope="module")

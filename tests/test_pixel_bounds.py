@@ -3,7 +3,7 @@
 Folders with the published layouts of the files that decide the bounds (CohereLabs'
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose
 files disagree, and from_pretrained / call kwargs (the table: scripts/record_pixel_bounds.py,
-the precedence: the "pixel bounds" section of the vendored processor). Expected values come
+the precedence: the "pixel bounds" section of the vendored image processor). Expected values come
 from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
 tests/fixtures/pixel_bounds.json, recorded from it by scripts/record_pixel_bounds.py, on
 every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor, the checkpoint checks

@@ -21,21 +21,14 @@ import numpy as np
 import pytest
 from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from PIL import Image
+from vendored import VENDORED_DIR, by_path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "processing_cohere_compass.py"
 
-
-def _load_module():
-    # By path, not through the shim: this module needs neither mlx nor the patch, and must be
-    # tested even on pins where upstream's cohere_compass shadows the vendored package.
-    spec = importlib.util.spec_from_file_location("compass_processing_under_test", MODULE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pc = _load_module()
+# By path, not through the shim: these modules need neither mlx nor the patch, and must be
+# tested even on pins where upstream's cohere_compass shadows the vendored package.
+pc = by_path("processing_cohere_compass", "compass_processing_under_test")
+ipc = by_path("image_processing_cohere_compass", "compass_processing_under_test")
 
 # The published preprocessor_config.json values.
 CONFIG = dict(
@@ -195,9 +188,9 @@ BANDED_MODES = {
 @pytest.mark.parametrize("mode", list(BANDED_MODES))
 def test_banded_conversion_equals_whole_conversion(mode, resample, size, band_rows):
     image = BANDED_MODES[mode]()
-    _, convert, _ = pc._source(image, True)
+    _, convert, _ = ipc._source(image, True)
     whole = convert(image).resize(size, resample=resample)
-    banded = pc.convert_and_resize(image, convert, size, resample, band_rows=band_rows, min_pixels=0)
+    banded = ipc.convert_and_resize(image, convert, size, resample, band_rows=band_rows, min_pixels=0)
     assert banded.mode == "RGB" and banded.size == size
     assert banded.tobytes() == whole.tobytes()
 
@@ -207,14 +200,14 @@ def test_large_non_rgb_image_takes_the_banded_path_and_matches_the_reference(mod
     """Above the banding threshold, end to end against the reference processor."""
     base = noise(2100, 2050, {"L": 1, "RGBA": 4, "P": 3}[mode], 30)
     image = Image.fromarray(base).quantize(colors=64) if mode == "P" else Image.fromarray(base, mode=mode)
-    assert image.width * image.height >= pc._BANDED_MIN_PIXELS
+    assert image.width * image.height >= ipc._BANDED_MIN_PIXELS
     bounds = {"size": {"shortest_edge": 65536, "longest_edge": 1048576}}
     calls = []
     monkeypatch.setattr(
-        pc.Image.Image, "crop", lambda self, box, _crop=Image.Image.crop: calls.append(box) or _crop(self, box)
+        ipc.Image.Image, "crop", lambda self, box, _crop=Image.Image.crop: calls.append(box) or _crop(self, box)
     )
     got = ours(**bounds)(image)
-    assert len(calls) == -(-image.height // pc._BAND_ROWS)  # one crop per band
+    assert len(calls) == -(-image.height // ipc._BAND_ROWS)  # one crop per band
     expected = reference_image_processor(**bounds)(image, return_tensors="np")
     np.testing.assert_array_equal(got["image_grid_thw"], expected["image_grid_thw"])
     assert np.max(np.abs(got["pixel_values"] - expected["pixel_values"])) <= 1e-6
@@ -235,7 +228,7 @@ def test_large_non_rgb_image_takes_the_banded_path_and_matches_the_reference(mod
     ],
 )
 def test_smart_resize_table(height, width, max_pixels, expected):
-    assert pc.smart_resize(height, width, 32, 65536, max_pixels) == expected
+    assert ipc.smart_resize(height, width, 32, 65536, max_pixels) == expected
 
 
 def test_grid_and_token_count_of_the_published_example():
@@ -637,12 +630,12 @@ def test_save_pretrained_round_trips(tmp_path, processor):
 # ---------------------------------------------------------------- no torch, no side effects
 
 TORCH_FREE_SCRIPT = r"""
-import importlib.util, sys
+import importlib, sys, types
 sys.modules["torch"] = None  # any import of torch or torchvision now fails
 sys.modules["torchvision"] = None
-spec = importlib.util.spec_from_file_location("compass_processing", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
+package = sys.modules["compass_processing"] = types.ModuleType("compass_processing")
+package.__path__ = [sys.argv[1]]  # the vendored folder, without its __init__ (mlx)
+module = importlib.import_module("compass_processing.processing_cohere_compass")
 from transformers.models.auto import processing_auto
 registered = list(processing_auto.PROCESSOR_MAPPING._extra_content.values())
 assert module.CohereCompassProcessor not in registered, "import registered the processor"
@@ -657,7 +650,7 @@ print("ok")
 def test_works_with_torch_unimportable_and_registers_nothing(tmp_path):
     folder = make_checkpoint(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE_SCRIPT, str(MODULE_PATH), str(folder)],
+        [sys.executable, "-c", TORCH_FREE_SCRIPT, str(VENDORED_DIR), str(folder)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 PACKAGE = "mlx_vlm.models.cohere_compass"
+VENDORED_DIR = Path(__file__).resolve().parents[1] / "vendor" / "mlx_vlm" / "models" / "cohere_compass"
 
 
 def is_vendored_file(path: str) -> bool:
@@ -31,3 +34,16 @@ def vendored(submodule: str = "") -> ModuleType:
             allow_module_level=True,
         )
     return importlib.import_module(PACKAGE + ("." + submodule if submodule else ""))
+
+
+def by_path(submodule: str, package: str) -> ModuleType:
+    """``submodule`` of the vendored package, loaded from its file as ``<package>.<submodule>``.
+
+    Neither the shim nor the package's ``__init__`` (mlx) runs, and it works on pins where
+    upstream's cohere_compass shadows the vendored one; the processing modules import each
+    other relatively, so they load inside a stand-in package (one per ``package`` name).
+    """
+    if package not in sys.modules:
+        stand_in = sys.modules[package] = ModuleType(package)
+        stand_in.__path__ = [str(VENDORED_DIR)]
+    return importlib.import_module(f"{package}.{submodule}")

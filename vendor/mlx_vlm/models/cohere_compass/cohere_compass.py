@@ -10,8 +10,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import ModelConfig, grid_sequence, weight_key
+from .image_processing_cohere_compass import GRID_MEMO
 from .language import LanguageModel, get_rope_index, padding_rows
-from .processing_cohere_compass import GRID_MEMO
 from .vision import VisionModel
 
 # Keys of the dict that encode_image returned before it returned one array; still accepted.

@@ -34,24 +34,6 @@ def _rotate_half(x: mx.array) -> mx.array:
     return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def project(layer: nn.Module, x: mx.array) -> mx.array:
-    """``layer(x)`` (``as_linear`` for embeddings); on the CPU see ``cpu_lanes.linear``.
-
-    # compass-compat: MLX's CPU ``quantized_matmul`` is 7-9x slower with bfloat16 or float16
-    # activations than with float32 (measured on mlx 0.32, x86-64: a 4-bit 6144x2048 layer
-    # takes 254 ms for one bfloat16 token, 36 ms in float32), so on the CPU the activation is
-    # cast up for the matmul and the result cast back: the graph around it keeps the model
-    # dtype (KV cache, residual). Metal/CUDA take ``layer(x)`` unchanged.
-    """
-    if (
-        x.dtype in (mx.bfloat16, mx.float16)
-        and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-        and mx.default_device() == mx.cpu
-    ):
-        return cpu_lanes.linear(layer, x.astype(mx.float32), out_dtype=x.dtype)
-    return cpu_lanes.linear(layer, x)
-
-
 class MultimodalRotary:
     """Rotation of one sliding-layer kind, for either a scalar offset or explicit positions.
 
@@ -136,9 +118,9 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions: Positions, masks: "MaskBuilder", cache=None):
         B, L, _ = x.shape
-        q = project(self.q_proj, x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = project(self.k_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = project(self.v_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = cpu_lanes.linear(self.q_proj, x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = cpu_lanes.linear(self.k_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = cpu_lanes.linear(self.v_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self._rotary is not None:
             if mx.default_device() == mx.cpu:
                 # compass-compat: one rotation for q and k on the CPU (elementwise: bit-identical).
@@ -151,7 +133,7 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         mask = masks.get(L, k.shape[2], self.window)
         out = cpu_lanes.attention(q, k, v, self.scale, mask)
-        return project(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return cpu_lanes.linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MaskBuilder:
@@ -200,7 +182,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def __call__(self, x):
-        return project(self.down_proj, nn.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        h = nn.silu(cpu_lanes.linear(self.gate_proj, x)) * cpu_lanes.linear(self.up_proj, x)
+        return cpu_lanes.linear(self.down_proj, h)
 
 
 class LayerNorm(nn.Module):
@@ -428,7 +411,7 @@ class LanguageModel(nn.Module):
         keep = kwargs.get("logits_to_keep") or 0
         if keep:
             h = h[:, -keep:]
-        logits = project(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head, h)
+        logits = cpu_lanes.linear(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head, h)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         return LanguageModelOutput(logits=logits)

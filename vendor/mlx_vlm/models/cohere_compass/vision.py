@@ -15,6 +15,10 @@ import numpy as np
 from . import cpu_lanes
 from .config import VisionConfig, grid_sequence
 
+# Projections go through cpu_lanes.linear (CPU lanes; the plain layer call elsewhere) with
+# float32_quantized=False: a quantized vision tower (no converter makes one) keeps the
+# activation dtype, as it always has; the float32 rule is the decoder's.
+
 # transformers' ACT2FN names -> MLX functions with the same formula.
 _BLOCK_ACTIVATIONS = {
     "gelu": nn.gelu,  # exact erf GELU
@@ -116,7 +120,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, runs) -> mx.array:
         n, dim = x.shape
-        qkv = cpu_lanes.linear(self.qkv, x).reshape(n, 3, self.num_heads, self.head_dim)
+        qkv = cpu_lanes.linear(self.qkv, x, float32_quantized=False).reshape(n, 3, self.num_heads, self.head_dim)
         qk = _rotate(qkv[:, :2], cos, sin).astype(x.dtype)
         q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
         outs = []
@@ -131,7 +135,7 @@ class Attention(nn.Module):
             o = cpu_lanes.attention(*seg, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return cpu_lanes.linear(self.proj, out)
+        return cpu_lanes.linear(self.proj, out, float32_quantized=False)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -150,7 +154,8 @@ class MLP(nn.Module):
         self.act = _block_activation(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return cpu_lanes.linear(self.linear_fc2, self.act(cpu_lanes.linear(self.linear_fc1, x)))
+        h = self.act(cpu_lanes.linear(self.linear_fc1, x, float32_quantized=False))
+        return cpu_lanes.linear(self.linear_fc2, h, float32_quantized=False)
 
 
 class VisionBlock(nn.Module):
@@ -182,7 +187,8 @@ class PatchMerger(nn.Module):
             x = self.norm(x.reshape(-1, self._merged))
         else:
             x = self.norm(x).reshape(-1, self._merged)
-        return cpu_lanes.linear(self.linear_fc2, nn.gelu(cpu_lanes.linear(self.linear_fc1, x)))
+        x = nn.gelu(cpu_lanes.linear(self.linear_fc1, x, float32_quantized=False))
+        return cpu_lanes.linear(self.linear_fc2, x, float32_quantized=False)
 
 
 class VisionModel(nn.Module):

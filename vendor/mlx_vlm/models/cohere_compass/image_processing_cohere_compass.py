@@ -1,0 +1,626 @@
+"""Torch-free image processor for cohere_compass (North-Micro-Vision).
+
+Behaviour follows transformers' ``CohereCompassImageProcessorPil`` (5.21+); only numpy and
+PIL do the image math. Holds the pixel-bound resolution (shared with the processor and
+compass_compat's checkpoint checks), resize, patchify and the process-global grid memo
+the model reads when a host passes no grid. The processor is in
+``processing_cohere_compass.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+from PIL import Image, ImageOps
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.image_processing_utils import BaseImageProcessor
+
+# Published North-Micro-Vision preprocessor_config.json values.
+DEFAULT_PATCH_SIZE = 16
+DEFAULT_MERGE_SIZE = 2
+DEFAULT_TEMPORAL_PATCH_SIZE = 2
+DEFAULT_MIN_PIXELS = 65536
+DEFAULT_MAX_PIXELS = 16777216
+MAX_ASPECT_RATIO = 200
+
+IMAGE_PROCESSOR_KEYS = (
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "size",
+    "min_pixels",
+    "max_pixels",
+    "do_resize",
+    "resample",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+)
+
+
+# ---------------------------------------------------------------- pixel bounds
+#
+# Which min / max pixel bounds an image is resized within, resolved from a checkpoint folder
+# the way transformers 5.24 resolves them (read from its processing_utils.ProcessorMixin,
+# image_processing_base.get_image_processor_dict and the cohere_compass image processors,
+# and measured on folders of each layout: tests/test_pixel_bounds.py). Two levels, the
+# same rule at each: start from the level below, let a `size` object replace its entries,
+# then let the legacy `min_pixels` / `max_pixels` keys replace those.
+#
+#   level                     | where the values come from, highest first
+#   --------------------------+----------------------------------------------------------------
+#   1. image processor        | from_pretrained kwargs (`size`, `min_pixels`, `max_pixels`);
+#      (built once, at load)  | the settings file: processor_config.json's `image_processor`
+#                             | block when that key exists (then preprocessor_config.json is
+#                             | not read at all), else preprocessor_config.json; defaults.
+#                             | Inside one dict `min_pixels`/`max_pixels` beat `size`, so a
+#                             | file's min_pixels beats a from_pretrained `size`.
+#   2. processor call         | call kwargs; from_pretrained kwargs (transformers hands them to
+#      (every __call__)       | the tokenizer too, so they land in its init kwargs); the
+#                             | tokenizer_config.json keys `size` / `min_pixels` / `max_pixels`
+#                             | (ProcessorMixin._merge_kwargs merges tokenizer init kwargs into
+#                             | the image kwargs); then level 1. Again min/max beat `size`, so
+#                             | a call `size` loses to tokenizer_config.json's min/max_pixels.
+#
+# The published CohereLabs folder: preprocessor_config.json 65536 / 16777216 but
+# tokenizer_config.json 16384 / 3868706, so 16384 / 3868706 (224x224 -> 49 tokens,
+# 4032x3024 -> 3710). An mlx-vlm >= 0.6.13 conversion adds processor_config.json whose
+# block says 16384 / 3868706: the same.
+# compass-compat: where the reference would differ for no purpose, this does not:
+# - a key missing from the winning settings file takes the published value (the reference
+#   takes its class defaults: 3136 / 1003520 pixels, patch 14, CLIP mean/std);
+# - a None call kwarg means "not given" (the reference fails on it), and a `size` given with
+#   one edge keeps the other from the level below (the reference fails unless min/max fill it);
+# - the image processor built by CohereCompassProcessor.from_pretrained carries the level-2
+#   bounds of a call without kwargs, so `image_processor.num_image_tokens` (mlx-vlm 0.7.10's
+#   estimate) and `.min_pixels`/`.max_pixels` say what the processor produces;
+# - tokenizer_config.json keys other than these three are not merged into image kwargs.
+
+PIXEL_BOUND_KEYS = ("size", "min_pixels", "max_pixels")
+_EDGE_OF = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+
+
+class PixelBounds(NamedTuple):
+    """Resolved bounds (unvalidated: the caller checks them) and where each came from.
+
+    ``min_source`` / ``max_source`` read like ``"tokenizer_config.json min_pixels"``;
+    ``image_config`` is the winning settings dict (level 1's file), ``image_config_file``
+    its name or None; ``call_defaults`` the level-2 kwargs a call without kwargs gets.
+    """
+
+    min_pixels: Any
+    max_pixels: Any
+    min_source: str
+    max_source: str
+    image_config: Any
+    image_config_file: Optional[str]
+    call_defaults: Dict[str, Any]
+
+
+def apply_pixel_keys(
+    edges: Dict[str, Any], values: Dict[str, Any], source: str, sources: Optional[Dict[str, str]] = None
+) -> Dict[str, Any]:
+    """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys.
+
+    The one rule of both levels. None values count as absent; a `size` that is not an
+    object is left for the caller's validation. ``sources`` (edge -> label) is updated.
+    """
+    edges = dict(edges)
+    labels = [("size", edge, f"{source} size.{edge}") for edge in ("shortest_edge", "longest_edge")]
+    labels += [(key, edge, f"{source} {key}") for key, edge in _EDGE_OF.items()]
+    for key, edge, label in labels:
+        value = values.get(key)
+        if key == "size":
+            value = value.get(edge) if isinstance(value, dict) else None
+        if value is not None:
+            edges[edge] = value
+            if sources is not None:
+                sources[edge] = label
+    return edges
+
+
+def image_processor_settings(processor_config: Any, preprocessor_config: Any) -> tuple:
+    """(settings dict, its file) as transformers 5.24 picks them: processor_config.json's
+    ``image_processor`` block if the key is there, else preprocessor_config.json."""
+    if isinstance(processor_config, dict) and "image_processor" in processor_config:
+        return processor_config["image_processor"], "processor_config.json image_processor"
+    if preprocessor_config is not None:
+        return preprocessor_config, "preprocessor_config.json"
+    return {}, None
+
+
+def resolve_pixel_bounds(
+    image_config: Any,
+    image_config_file: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+    load_kwargs: Optional[dict] = None,
+    call_kwargs: Optional[dict] = None,
+) -> PixelBounds:
+    """The two levels above, on already-read dicts (see :func:`read_pixel_bounds`)."""
+    load = {k: v for k, v in (load_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    call = {k: v for k, v in (call_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    sources = {"shortest_edge": "default", "longest_edge": "default"}
+    edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
+    # Level 1: the settings file, then from_pretrained kwargs over it (one dict, then one rule).
+    file_values = image_config if isinstance(image_config, dict) else {}
+    level1 = {
+        k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
+        for k in PIXEL_BOUND_KEYS
+    }
+    for key in PIXEL_BOUND_KEYS:  # applied key by key so each edge keeps its own source
+        value, source = level1[key]
+        edges = apply_pixel_keys(edges, {key: value}, source or "image processor", sources)
+    # Level 2: tokenizer_config.json, from_pretrained kwargs (the tokenizer's too), the call.
+    token_values = {k: v for k, v in (tokenizer_config or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    defaults = {k: (v, "tokenizer_config.json") for k, v in token_values.items()}
+    defaults.update({k: (v, "from_pretrained") for k, v in load.items()})
+    merged = {**defaults, **{k: (v, "call") for k, v in call.items()}}
+    for key in PIXEL_BOUND_KEYS:
+        if key in merged:
+            value, source = merged[key]
+            edges = apply_pixel_keys(edges, {key: value}, source, sources)
+    return PixelBounds(
+        edges["shortest_edge"],
+        edges["longest_edge"],
+        sources["shortest_edge"],
+        sources["longest_edge"],
+        image_config,
+        image_config_file,
+        {k: v for k, (v, _) in defaults.items()},
+    )
+
+
+def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None) -> PixelBounds:
+    """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
+    folder = Path(folder)
+    config, name = image_processor_settings(
+        read_json(folder / "processor_config.json"), read_json(folder / "preprocessor_config.json")
+    )
+    return resolve_pixel_bounds(config, name, read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+    """Target (height, width): multiples of ``factor``, pixel count in [min, max], aspect kept."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has an empty side: {width}x{height}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image of {width}x{height} pixels has aspect ratio {ratio:.1f}; cohere_compass accepts "
+            f"at most {MAX_ASPECT_RATIO}. Crop or pad the image first."
+        )
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / shrink / factor) * factor)
+        w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * grow / factor) * factor
+        w = math.ceil(width * grow / factor) * factor
+    return h, w
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"cohere_compass image processor: `{name}` must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _per_channel(name: str, value) -> List[float]:
+    values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+    if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+        raise ValueError(f"cohere_compass image processor: `{name}` must be 3 finite numbers, got {value!r}")
+    return [float(v) for v in values]
+
+
+def flatten_images(images) -> list:
+    """A flat list from one image, a list, a list of lists, or a 4-D array batch."""
+    if isinstance(images, np.ndarray) and images.ndim == 4:
+        return list(images)
+    if not isinstance(images, (list, tuple)):
+        return [images]
+    flat = []
+    for item in images:
+        flat.extend(flatten_images(item) if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
+def _open_file(path) -> Image.Image:
+    """The decoded image with EXIF orientation applied, still in the file's mode."""
+    # transformers' load_image then converts to plain RGB (no compositing): see _plain_rgb.
+    try:
+        with Image.open(path) as im:
+            im.load()  # open() is lazy; truncation and decode errors surface here
+            return ImageOps.exif_transpose(im)
+    except Exception as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
+        raise ValueError(f"cannot read image file {os.fspath(path)!r}: {err}") from err
+
+
+def _plain_rgb(image: Image.Image) -> Image.Image:
+    return image.convert("RGB")
+
+
+def _composite_rgb(image: Image.Image) -> Image.Image:
+    # Alpha composited onto white, as the reference's convert_to_rgb.
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+# Images up to this many pixels are converted whole; larger ones band by band.
+_BANDED_MIN_PIXELS = 1 << 22
+_BAND_ROWS = 256
+# PIL runs these filters as two separable passes (horizontal, then vertical).
+_TWO_PASS = {
+    Image.Resampling.BILINEAR,
+    Image.Resampling.BICUBIC,
+    Image.Resampling.LANCZOS,
+    Image.Resampling.BOX,
+    Image.Resampling.HAMMING,
+}
+
+
+def convert_and_resize(
+    image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS, min_pixels: int = _BANDED_MIN_PIXELS
+) -> Image.Image:
+    """``convert(image).resize(size, resample)`` without converting a large image whole.
+
+    Converting a huge non-RGB image at full size costs up to four copies of it (RGBA:
+    RGBA copy, white backdrop, composite, RGB). PIL resizes in a horizontal pass that
+    treats each row alone, then a vertical pass; the conversion is per pixel. So
+    converting and horizontally resizing band by band, then running the vertical pass
+    on the narrow result, yields the same bytes as the one-shot call while holding only
+    ``target width x input height`` RGB pixels (tests/test_processor.py compares them).
+    """
+    width, height = image.size
+    if (
+        convert is None
+        or size[0] >= width
+        or width * height < min_pixels
+        or Image.Resampling(resample) not in _TWO_PASS
+    ):
+        rgb = image if convert is None else convert(image)
+        return rgb.resize(size, resample=resample)
+    narrow = Image.new("RGB", (size[0], height))
+    for top in range(0, height, band_rows):
+        band = convert(image.crop((0, top, width, min(height, top + band_rows))))
+        narrow.paste(band.resize((size[0], band.height), resample=resample), (0, top))
+    return narrow if size[1] == height else narrow.resize(size, resample=resample)
+
+
+def _channels_last(array: np.ndarray) -> np.ndarray:
+    if array.ndim == 2:  # the reference rejects 2-D arrays; treat them as grayscale
+        return array[..., None]
+    if array.ndim != 3:
+        raise ValueError(f"image array must have 2 or 3 dimensions, got shape {array.shape}")
+    # Channel axis inferred like transformers: leading axis wins when both could be it.
+    if array.shape[0] in (1, 3, 4):
+        return np.moveaxis(array, 0, -1)
+    if array.shape[-1] in (1, 3, 4):
+        return array
+    raise ValueError(f"cannot tell the channel axis of an image array of shape {array.shape}")
+
+
+def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
+    """(H, W, 3) array in the input dtype: gray repeated, alpha composited onto white."""
+    array = _channels_last(np.asarray(array))
+    channels = array.shape[-1]
+    if do_convert_rgb and channels == 1:
+        array = np.repeat(array, 3, axis=-1)
+    elif do_convert_rgb and channels == 4:
+        is_int = np.issubdtype(array.dtype, np.integer)
+        if not is_int and (array.min() < 0.0 or array.max() > 1.0):
+            raise ValueError("a float RGBA image must hold values in [0, 1]")
+        white = 255 if is_int else 1.0
+        alpha = array[..., 3:4] / white
+        blended = alpha * array[..., :3] + (1 - alpha) * white
+        array = (np.round(blended) if is_int else blended).astype(array.dtype)
+    if array.shape[-1] != 3:
+        raise ValueError(f"expected an RGB image, got {array.shape[-1]} channel(s) with do_convert_rgb=False")
+    return array
+
+
+def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
+    """RGB PIL image from an array, plus whether values were scaled up from [0, 1].
+
+    PIL resizes uint8 only; the conversion follows the reference's array path.
+    """
+    array = _rgb_array(array, do_convert_rgb)
+    scaled = False
+    if array.dtype != np.uint8:
+        if np.allclose(array, array.astype(int)):
+            if array.min() < 0 or array.max() > 255:
+                raise ValueError(f"image values must lie in [0, 255], got [{array.min()}, {array.max()}]")
+        elif array.min() >= 0 and array.max() <= 1:
+            # The reference multiplies by 255 through float32 and truncates; so do we.
+            array = (array.astype(np.float64) * 255).astype(np.float32)
+            scaled = True
+        else:
+            raise ValueError(f"float image values must lie in [0, 1] or [0, 255], got [{array.min()}, {array.max()}]")
+        array = array.astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(array), mode="RGB"), scaled
+
+
+def _source(image, do_convert_rgb: bool):
+    """(PIL image, converter to RGB or None, whether values were scaled up from [0, 1])."""
+    if isinstance(image, (str, os.PathLike)):
+        if str(image).startswith(("http://", "https://")):
+            raise ValueError(f"image URLs are not fetched here; load the image first: {image}")
+        opened = _open_file(image)
+        return opened, None if opened.mode == "RGB" else _plain_rgb, False
+    if isinstance(image, Image.Image):
+        has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
+            return image, None, False
+        if not do_convert_rgb:
+            raise ValueError(f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False")
+        return image, _composite_rgb if has_alpha else _plain_rgb, False
+    if isinstance(image, np.ndarray):
+        pil, scaled = _array_to_rgb_pil(image, do_convert_rgb)
+        return pil, None, scaled
+    raise ValueError(
+        f"unsupported image of type {type(image).__name__}; pass a PIL image, a numpy array or a file path"
+    )
+
+
+def batch_feature(data: Dict[str, Any], return_tensors) -> BatchFeature:
+    """``data`` as a ``BatchFeature``; ``return_tensors="mlx"`` gives ``mx.array`` on every pin."""
+    if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
+        return BatchFeature(data=data, tensor_type=return_tensors)
+    # transformers 5.x answers "mlx" with numpy arrays; give mx.array on every version.
+    import mlx.core as mx
+
+    arrays = BatchFeature(data=data, tensor_type="np")
+    # compass-compat: attention_mask stays numpy. mlx-vlm 0.6.3's server copies it with
+    # mx.array() on the request thread; with mlx >= 0.32's per-thread streams the generation
+    # thread cannot evaluate that copy and the server aborts ("no Stream(cpu, 1)").
+    return BatchFeature(data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()})
+
+
+class CohereCompassImageProcessor(BaseImageProcessor):
+    """Native-resolution patches for the cohere_compass vision tower.
+
+    Each image becomes ``pixel_values`` rows of ``3 * temporal_patch_size * patch_size**2``
+    floats in merge-window order and an ``image_grid_thw`` row ``[1, h/patch, w/patch]``.
+    """
+
+    model_input_names = ["pixel_values", "image_grid_thw"]
+
+    def __init__(
+        self,
+        patch_size: int = DEFAULT_PATCH_SIZE,
+        merge_size: int = DEFAULT_MERGE_SIZE,
+        temporal_patch_size: int = DEFAULT_TEMPORAL_PATCH_SIZE,
+        size: Optional[Dict[str, int]] = None,
+        min_pixels: Optional[int] = None,
+        max_pixels: Optional[int] = None,
+        do_resize: bool = True,
+        resample: int = Image.Resampling.BICUBIC,
+        do_rescale: bool = True,
+        rescale_factor: float = 1 / 255,
+        do_normalize: bool = True,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        do_convert_rgb: bool = True,
+        **kwargs,
+    ):
+        # Checkpoints may carry spatial_merge_size (the vision config's name) or neither.
+        merge_size = kwargs.pop("spatial_merge_size", merge_size)
+        super().__init__(**kwargs)
+        # Legacy keys win over `size`, as in the reference (apply_pixel_keys: the one rule).
+        size = apply_pixel_keys(
+            {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS},
+            {"size": dict(size) if size is not None else None, "min_pixels": min_pixels, "max_pixels": max_pixels},
+            "image processor",
+        )
+        self.size = {
+            "shortest_edge": _positive_int("size.shortest_edge (min_pixels)", size["shortest_edge"]),
+            "longest_edge": _positive_int("size.longest_edge (max_pixels)", size["longest_edge"]),
+        }
+        if self.size["shortest_edge"] > self.size["longest_edge"]:
+            raise ValueError(
+                "cohere_compass image processor: `size.shortest_edge` (min_pixels, "
+                f"{self.size['shortest_edge']}) exceeds `size.longest_edge` (max_pixels, "
+                f"{self.size['longest_edge']})"
+            )
+        self.patch_size = _positive_int("patch_size", patch_size)
+        self.merge_size = _positive_int("merge_size", merge_size)
+        self.temporal_patch_size = _positive_int("temporal_patch_size", temporal_patch_size)
+        if resample not in {int(r) for r in Image.Resampling}:
+            raise ValueError(f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}")
+        self.resample = int(resample)
+        if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
+            raise ValueError(
+                f"cohere_compass image processor: `rescale_factor` must be a positive number, got {rescale_factor!r}"
+            )
+        self.rescale_factor = float(rescale_factor)
+        self.image_mean = _per_channel("image_mean", image_mean)
+        self.image_std = _per_channel("image_std", image_std)
+        if 0.0 in self.image_std:
+            raise ValueError(f"cohere_compass image processor: `image_std` has a zero: {self.image_std}")
+        self.do_resize = bool(do_resize)
+        self.do_rescale = bool(do_rescale)
+        self.do_normalize = bool(do_normalize)
+        self.do_convert_rgb = bool(do_convert_rgb)
+
+    @property
+    def min_pixels(self) -> int:
+        return self.size["shortest_edge"]
+
+    @property
+    def max_pixels(self) -> int:
+        return self.size["longest_edge"]
+
+    @classmethod
+    def from_dict(cls, image_processor_dict: Dict[str, Any], **kwargs):
+        # The base classes set kwargs as attributes after __init__, skipping validation.
+        return_unused = kwargs.pop("return_unused_kwargs", False)
+        # As in transformers 5.24: kwargs update the dict, so a file's min_pixels / max_pixels
+        # still beat a `size` kwarg (see "pixel bounds" above).
+        config = dict(image_processor_dict)
+        overrides = {k: v for k, v in kwargs.items() if k in IMAGE_PROCESSOR_KEYS}
+        unused = {k: v for k, v in kwargs.items() if k not in IMAGE_PROCESSOR_KEYS}
+        processor = cls(**{**config, **overrides})
+        return (processor, unused) if return_unused else processor
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """From a local folder (or its settings file), the file picked as transformers 5.24
+        picks it on every pin (4.57 would read preprocessor_config.json first); kwargs as in
+        :meth:`from_dict`. Bounds of an image processor alone: level 1 of "pixel bounds"."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_file():
+            config = read_json(path)
+        elif path.is_dir():
+            config, _ = image_processor_settings(
+                read_json(path / "processor_config.json"), read_json(path / "preprocessor_config.json")
+            )
+        else:
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        return cls.from_dict(config, **kwargs)
+
+    def _with_overrides(self, overrides: Dict[str, Any]) -> "CohereCompassImageProcessor":
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(overrides) - set(IMAGE_PROCESSOR_KEYS)
+        if unknown:
+            raise TypeError(f"unexpected image processor argument(s): {sorted(unknown)}")
+        if not overrides:
+            return self
+        config = {k: getattr(self, k) for k in IMAGE_PROCESSOR_KEYS if k not in ("min_pixels", "max_pixels")}
+        if "size" in overrides:
+            config["size"] = {**config["size"], **overrides.pop("size")}
+        return type(self)(**{**config, **overrides})
+
+    def resized_shape(self, height: int, width: int) -> tuple:
+        factor = self.patch_size * self.merge_size
+        if not self.do_resize:
+            if height % factor or width % factor:
+                raise ValueError(
+                    f"with do_resize=False the image sides must be multiples of {factor}, got {width}x{height}"
+                )
+            return height, width
+        return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+
+    def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:
+        ip = self._with_overrides({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
+        h, w = ip.resized_shape(height, width)
+        return (h // ip.patch_size) * (w // ip.patch_size)
+
+    def num_image_tokens(self, height: int, width: int, **overrides) -> int:
+        ip = self._with_overrides(overrides)
+        return ip.get_number_of_image_patches(height, width) // ip.merge_size**2
+
+    def _pixels(self, image) -> np.ndarray:
+        """One image as normalized float32 (H, W, 3) at its target size."""
+        scaled = False
+        if not self.do_resize and isinstance(image, np.ndarray) and image.dtype != np.uint8:
+            array = _rgb_array(image, self.do_convert_rgb)  # no PIL round trip, as in the reference
+            self.resized_shape(array.shape[0], array.shape[1])  # sides must already fit
+        else:
+            pil, convert, scaled = _source(image, self.do_convert_rgb)
+            target_h, target_w = self.resized_shape(pil.height, pil.width)
+            if self.do_resize:
+                # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
+                pil = convert_and_resize(pil, convert, (target_w, target_h), self.resample)
+            elif convert is not None:
+                pil = convert(pil)
+            array = np.asarray(pil)
+        # float64 product, then float32: the reference's rescale, bit for bit.
+        if scaled:
+            array = (array.astype(np.float64) * (1 / 255)).astype(np.float32)
+        if self.do_rescale:
+            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            array = array.astype(np.float32, copy=False)
+            mean = np.asarray(self.image_mean, dtype=np.float32)
+            std = np.asarray(self.image_std, dtype=np.float32)
+            array = (array - mean) / std
+        return np.asarray(array, dtype=np.float32)
+
+    def _patchify(self, pixels: np.ndarray) -> tuple:
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        height, width, channels = pixels.shape
+        grid_h, grid_w = height // p, width // p
+        blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
+        # -> (block row, block col, row in block, col in block, channel, y, x)
+        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
+        # A still image is its own temporal_patch_size frames: repeat along a new time axis.
+        frames = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (t, p, p))
+        return frames.reshape(grid_h * grid_w, channels * t * p * p), grid_h, grid_w
+
+    def preprocess(self, images, return_tensors=None, **overrides) -> BatchFeature:
+        ip = self._with_overrides(overrides)
+        rows, grids = [], []
+        for image in flatten_images(images):
+            patches, grid_h, grid_w = ip._patchify(ip._pixels(image))
+            rows.append(patches)
+            grids.append([1, grid_h, grid_w])
+        if not rows:
+            raise ValueError("no images to process")
+        data = {
+            "pixel_values": np.concatenate(rows, axis=0),
+            "image_grid_thw": np.asarray(grids, dtype=np.int64),
+        }
+        GRID_MEMO.remember(data["pixel_values"], data["image_grid_thw"])
+        return batch_feature(data, return_tensors)
+
+    def __call__(self, images, return_tensors=None, **overrides) -> BatchFeature:
+        return self.preprocess(images, return_tensors=return_tensors, **overrides)
+
+
+class GridMemo:
+    """Patch grids of recently processed pixel_values, looked up by content.
+
+    mlx-vlm 0.4.x-0.6.x fill their vision cache with ``model.encode_image(pixel_values)``
+    and pass no grid, which the pixels alone cannot determine; the processor that
+    made those pixels remembers it here. Bounded; thread-safe.
+    """
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._grids: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(pixel_values) -> str:
+        array = np.ascontiguousarray(np.asarray(pixel_values, dtype=np.float32))
+        digest = hashlib.sha1(array.tobytes()).hexdigest()
+        return f"{array.shape}:{digest}"
+
+    def remember(self, pixel_values, grid) -> None:
+        key = self.key(pixel_values)
+        with self._lock:
+            self._grids[key] = np.asarray(grid, dtype=np.int64).reshape(-1, 3)
+            self._grids.move_to_end(key)
+            while len(self._grids) > self.capacity:
+                self._grids.popitem(last=False)
+
+    def recall(self, pixel_values) -> Optional[np.ndarray]:
+        key = self.key(pixel_values)
+        with self._lock:
+            return self._grids.get(key)
+
+
+GRID_MEMO = GridMemo()
+
+
+def read_json(path: Path) -> Optional[dict]:
+    """The JSON object in ``path``, or None when there is no such file."""
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
