@@ -3,9 +3,9 @@
 Subcommands:
 
 - ``generate``: mlx-vlm's generate flags (``--model --image --prompt --max-tokens
-  --temperature --top-p --top-k --seed ...``); without ``--model`` it builds (once) and uses a
-  tiny default checkpoint with RANDOM weights, without ``--image`` it uses the bundled demo
-  picture. Sampling flags left out are filled in as the installed mlx-vlm's generate does.
+  --temperature --top-p --top-k --seed ...``); without ``--model`` it builds (once) and uses the
+  toy default checkpoint (the tiny model trained on synthetic shapes, :mod:`compass_compat.toy`),
+  without ``--image`` it uses the bundled demo picture (shapes the toy answers correctly). Sampling flags left out are filled in as the installed mlx-vlm's generate does.
   ``--draw-boxes OUT.png`` draws the answer's ``[x1, y1, x2, y2]`` boxes on a copy of the image.
 - ``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
   inputs answered by a 400 (``compass_compat.server_guard``).
@@ -42,14 +42,16 @@ from .startup import PTH_NAME, installed_hooks
 PROG = "python -m compass_compat"
 DEMO_IMAGE = Path(__file__).resolve().parent / "assets" / "demo.png"
 HOME_ENV = "COMPASS_COMPAT_HOME"
-DEFAULT_CHECKPOINT = "tiny-random-v1"  # bump the suffix when the builder's output changes
+DEFAULT_CHECKPOINT = "toy-shapes-v1"  # bump the suffix when the builder's output changes
 MARKER = "compass-compat-default.json"
 DEFAULT_PROMPT = "Describe this picture."
 DEFAULT_MAX_TOKENS = 256
-RANDOM_WEIGHTS_NOTE = (
-    "compass-compat's default checkpoint: a tiny cohere_compass with RANDOM weights (seed 0). "
-    "The text is noise; tokenizer, chat template, image processor, vision tower, decoder and "
-    "sampling are the real pipeline. Pass --model PATH for a real checkpoint."
+TOY_NOTE = (
+    "compass-compat's default checkpoint: a TOY, the tiny cohere_compass trained on synthetic "
+    "pictures of shapes, not North-Micro-Vision. It answers 'Describe this picture.', 'How many "
+    "shapes are there?', 'What colour is the <shape>?' and 'Where is the <colour> <shape>?' "
+    "about pictures like the demo, and is often wrong (its accuracy: README). Pass --model PATH "
+    "for a real checkpoint."
 )
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -109,26 +111,27 @@ def ensure_default_checkpoint() -> Path:
     problem = default_checkpoint_problem(target)
     if problem is None:
         return target
-    from .tiny import build_tiny_checkpoint
+    from .toy import build_toy_checkpoint
 
     log(f"building the default checkpoint in {target} ({problem})")
-    log("  tiny cohere_compass, original (CohereLabs) layout, float32, RANDOM weights (seed 0)")
+    log("  the toy: tiny cohere_compass trained on synthetic shapes, original (CohereLabs) layout, float32")
     start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_CHECKPOINT}-", dir=target.parent))
     try:
         log("  [1/3] config.json, tokenizer, chat template, preprocessor config, weights")
-        build_tiny_checkpoint(staging, layout="original", dtype="float32", seed=0)
+        build_toy_checkpoint(staging, layout="original", dtype="float32")
         (staging / "README.md").write_text(
-            "# compass-compat default checkpoint\n\n" + RANDOM_WEIGHTS_NOTE + "\n\n"
-            f"Built by compass-compat {__version__} (`compass_compat.tiny.build_tiny_checkpoint`).\n",
+            "# compass-compat default checkpoint\n\n" + TOY_NOTE + "\n\n"
+            f"Built by compass-compat {__version__} (`compass_compat.toy.build_toy_checkpoint`); "
+            "how the weights were trained: compass_compat/data/toy_shapes/provenance.json.\n",
             encoding="utf-8",
         )
         log("  [2/3] fingerprinting the files")
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         meta = {
             "built_by": f"compass-compat {__version__}",
-            "weights": "random (compass_compat.tiny, seed 0)",
+            "weights": "trained toy (compass_compat/data/toy_shapes, scripts/train_toy.py)",
             "sha256": {name: _sha256(staging / name) for name in files},
         }
         (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -223,14 +226,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("=" * 10)
         print(f"Model: {model_ref}")
         if is_default:
-            print(f"       {RANDOM_WEIGHTS_NOTE}")
+            print(f"       {TOY_NOTE}")
         print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")
         print(f"Images: {images}")
         print(f"Prompt: {prompt}")
         print(f"Sampling: {describe_sampling(sampling_settings(model.config, sampling), args.seed)}")
         print("=" * 10, flush=True)
     elif is_default:
-        log("note: " + RANDOM_WEIGHTS_NOTE)
+        log("note: " + TOY_NOTE)
 
     last = None
     pieces = []
@@ -603,12 +606,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Generate text with mlx-vlm's load + stream_generate, the prompt formatted by "
             "mlx_vlm.prompt_utils.apply_chat_template as mlx-vlm's own CLI does. Without --model "
-            "a tiny default checkpoint with RANDOM weights is built once under "
+            "the toy default checkpoint (a tiny model trained on synthetic shapes) is built once under "
             f"${HOME_ENV} (default ~/.cache/compass-compat); without --image the bundled demo "
             "picture is used."
         ),
     )
-    gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the tiny random checkpoint")
+    gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the toy checkpoint")
     gen.add_argument(
         "--image",
         nargs="+",

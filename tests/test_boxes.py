@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -22,6 +23,9 @@ from compass_compat.boxes import (
     scan_boxes,
     to_pixels,
 )
+
+# The old demo picture (a compass rose, 320x240 palette PNG): box pixels differ from grid values.
+ROSE = pathlib.Path(__file__).resolve().parent / "fixtures" / "compass_rose_320x240.png"
 
 # ------------------------------------------------------------------------- parsing
 
@@ -250,7 +254,7 @@ def test_labels_go_in_a_tag_above_the_box_or_inside_it():
 
 
 def test_draw_boxes_modes_and_no_boxes():
-    demo = Image.open(cli.DEMO_IMAGE)  # a palette ("P") PNG
+    demo = Image.open(ROSE)  # a palette ("P") PNG
     before = demo.tobytes()
     out = draw_boxes(demo, [GridBox(100, 100, 200, 200)])
     assert demo.mode == "P" and demo.tobytes() == before
@@ -281,11 +285,13 @@ def home(tmp_path_factory):
 def generated(monkeypatch, home):
     """Make mlx_vlm.stream_generate yield ``generated.chunks`` (model, processor and prompt are the real ones).
 
-    Random weights never write boxes; everything else in ``generate`` runs as usual.
+    The answers (and the 320x240 default picture) are fixed here; everything else in ``generate`` runs
+    as usual.
     """
     import mlx_vlm
 
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(home))
+    monkeypatch.setattr(cli, "DEMO_IMAGE", ROSE)  # a 320x240 default picture, so pixels differ from grid values
     state = SimpleNamespace(chunks=[], calls=[])
 
     def fake_stream_generate(model, processor, prompt, image=None, **kwargs):

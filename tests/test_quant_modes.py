@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from _quant import quantize_folder
 from vendored import vendored
 
 vendored()
@@ -48,26 +49,6 @@ PIN = (version("mlx-vlm"), version("mlx"))
 
 def refused(name: str) -> bool:
     return name in REFUSED.get(PIN, set())
-
-
-def quantize_folder(source: pathlib.Path, out: pathlib.Path, mode: str, group: int, bits: int) -> pathlib.Path:
-    shutil.copytree(source, out)
-    weights = mx.load(str(source / "model.safetensors"))
-    stored = {}
-    for key, w in weights.items():
-        if key.startswith("language_model.") and key.endswith(".weight") and w.ndim == 2 and w.shape[-1] % group == 0:
-            q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-            prefix = key[: -len(".weight")]
-            stored[key], stored[prefix + ".scales"] = q[0], q[1]
-            if mode == "affine":
-                stored[prefix + ".biases"] = q[2]
-        else:
-            stored[key] = w
-    config = json.loads((source / "config.json").read_text())
-    config["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(out / "model.safetensors"), stored, metadata={"format": "mlx"})
-    return out
 
 
 def dequantize_folder(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

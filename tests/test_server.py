@@ -110,7 +110,7 @@ class Server:
         self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def post(self, content: list) -> tuple:
+    def post(self, content: list, max_tokens: int = MAX_TOKENS) -> tuple:
         """(status, parsed JSON body) of one non-streaming request with these content parts."""
         if ROUTE.endswith("/responses"):
             parts = [
@@ -122,7 +122,7 @@ class Server:
             body = {
                 "model": self.model,
                 "input": [{"role": "user", "content": parts}],
-                "max_output_tokens": MAX_TOKENS,
+                "max_output_tokens": max_tokens,
                 "temperature": 0.0,
                 "stream": False,
             }
@@ -130,7 +130,7 @@ class Server:
             body = {
                 "model": self.model,
                 "messages": [{"role": "user", "content": content}],
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": max_tokens,
                 "temperature": 0.0,
                 "stream": False,
             }
