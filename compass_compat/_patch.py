@@ -19,7 +19,7 @@ What :func:`apply_patch` does, all or nothing:
    ``<vendor>/mlx_lm/models`` to the END of ``mlx_lm.models.__path__``, so
    ``mlx_lm.load`` runs the vendored text decoder on text prompts. Opt-in
    because hosts that hand a checkpoint to mlx-lm when it loads there would
-   then drop or mis-position images (README, "Hosts that load through mlx-lm").
+   then drop or mis-position images (docs/hosts.md, "Hosts that load through mlx-lm").
 
 Every hook is checked before anything changes; a missing one raises
 :class:`CompassCompatError` naming it and the installed mlx-vlm version. A

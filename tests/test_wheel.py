@@ -78,6 +78,29 @@ def test_wheel_carries_the_vendored_tree(wheel: Path):
     assert not any(n.startswith("vendor/") or n.endswith(".pyc") for n in names)
 
 
+def test_wheel_carries_every_package_file(wheel: Path):
+    """Data and non-Python files too: the toy weights, the demo picture, the checklist's probe
+    scripts, the tiny tokenizer (what ``generate`` with no arguments and the checklist need)."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = REPO / "compass_compat"
+    files = {
+        p.relative_to(REPO).as_posix()
+        for p in package.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
+    files.discard("compass_compat/compass_compat_autopatch.pth")  # installed at the top level
+    assert {"compass_compat/data/toy_shapes/model.safetensors", "compass_compat/assets/demo.png"} <= files
+    assert any(f.startswith("compass_compat/checklist/probes/") for f in files)
+    assert files <= names, sorted(files - names)
+
+
+def test_wheel_version_is_the_package_version(wheel: Path):
+    """pyproject.toml reads the version from compass_compat/__init__.py (one place)."""
+    import compass_compat
+
+    assert wheel.name.startswith(f"compass_compat-{compass_compat.__version__}-"), wheel.name
+
+
 @pytest.mark.parametrize("mode", ["default", "forced"])
 def test_installed_wheel_applies_the_patch(installed: Dict[str, Path], tmp_path: Path, mode: str):
     code = textwrap.dedent(
