@@ -159,8 +159,8 @@ def render(scene: Scene, size: int = SIZE) -> np.ndarray:
 
 def pixel_box(shape: Shape, size: int = SIZE) -> Tuple[int, int, int, int]:
     """The drawn shape's extent in continuous pixel coordinates: ``(left, top, right, bottom)``."""
-    rows = np.flatnonzero(shape_mask(shape, size).any(axis=1))
-    cols = np.flatnonzero(shape_mask(shape, size).any(axis=0))
+    mask = shape_mask(shape, size)
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
     return int(cols[0]), int(rows[0]), int(cols[-1]) + 1, int(rows[-1]) + 1
 
 

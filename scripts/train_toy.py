@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE_FILE = ROOT / "tests" / "fixtures" / "toy_reference.json"
 
 
-shapes, toy = _unpatched.module("shapes"), _unpatched.module("toy")  # the reference runs unpatched
+shapes, toy, boxes = (_unpatched.module(m) for m in ("shapes", "toy", "boxes"))  # the reference runs unpatched
 
 SEED = 0  # torch's initialisation and the order of question kinds
 THREADS = 1  # one thread: OpenMP threads stall when the cores are shared
@@ -192,21 +192,10 @@ def evaluate(model, ref: Reference, seed: int, count: int) -> dict:
 
 
 def box_iou(text: str, expected: str) -> float:
-    """IoU of the first box in ``text`` with the box in ``expected`` (0 if none is found)."""
-    import re
-
-    def first(s: str):
-        m = re.search(r"\[(\d+), (\d+), (\d+), (\d+)\]", s)
-        return [int(v) for v in m.groups()] if m else None
-
-    a, b = first(text), first(expected)
-    if a is None or b is None or a[0] > a[2] or a[1] > a[3]:
-        return 0.0
-    ix = max(0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+    """IoU of the first box in ``text`` with the box in ``expected`` (0 if either has none),
+    boxes read as compass_compat.boxes reads them."""
+    got, want = boxes.find_boxes(text), boxes.find_boxes(expected)
+    return boxes.iou(got[0], want[0]) if got and want else 0.0
 
 
 # ----------------------------------------------------------------------------- training

@@ -19,6 +19,7 @@ from compass_compat.boxes import (
     draw_boxes,
     find_boxes,
     format_number,
+    iou,
     pixel_rect,
     scan_boxes,
     to_pixels,
@@ -444,3 +445,10 @@ def test_a_failed_write_is_an_error(generated, capsys, tmp_path):
     code, out, err = run(capsys, "generate", "--draw-boxes", target)
     assert code == 2
     assert f"python -m compass_compat generate: error: --draw-boxes {target}: could not write it:" in err
+
+
+def test_iou_by_hand():
+    assert iou((0, 0, 10, 10), (5, 0, 15, 10)) == pytest.approx(50 / 150)  # half overlap
+    assert iou(GridBox(0, 0, 10, 10), (0, 0, 10, 10)) == 1.0
+    assert iou((0, 0, 10, 10), (10, 0, 20, 10)) == 0.0  # touching edges
+    assert iou((0, 0, 0, 0), (0, 0, 0, 0)) == 0.0  # empty union

@@ -173,17 +173,9 @@ def test_boxes_overlap_the_drawn_shape(toy_folders, float_ids, pictures, record_
             hits.append(False)
             continue
         got = boxes.to_pixels(found[0], (shapes.SIZE, shapes.SIZE))
-        hits.append(iou(got, shapes.pixel_box(subject)) >= 0.5)
+        hits.append(boxes.iou(got, shapes.pixel_box(subject)) >= 0.5)
     record_property("toy_box_iou_hits_float", round(float(np.mean(hits)), 4))
     assert np.mean(hits) >= MIN_BOX_HITS, f"IoU >= 0.5 on {np.mean(hits):.2f} of {len(hits)} boxes"
-
-
-def iou(a, b) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
 
 
 @pytest.mark.parametrize("index", range(len(REFERENCE["text_only"])))
