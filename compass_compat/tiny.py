@@ -275,6 +275,8 @@ def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
     """
     text = dict(TEXT, vocab_size=PADDED_VOCAB_SIZE)
     for key, (shape, kind) in weight_tree(text, VISION, tied=True).items():
+        if _original_key(key) == key:
+            raise AssertionError(f"{key} has no original-layout prefix")
         if kind == "norm":
             yield _original_key(key), shape, "norm", 0.1
             continue
@@ -287,10 +289,11 @@ def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
 
 
 def _original_key(key: str) -> str:
+    """An MLX-layout key in the original layout (keys with neither prefix unchanged)."""
     for src, dst in PREFIXES:
         if key.startswith(dst):
             return src + key[len(dst) :]
-    raise AssertionError(f"{key} has no original-layout prefix")
+    return key
 
 
 def _uniform_noise(seed: int, key: str, shape: Tuple[int, ...], std: float) -> np.ndarray:
@@ -334,10 +337,7 @@ def from_mlx_layout(weights: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Inverse of :func:`to_mlx_layout`."""
     out = {}
     for key, value in weights.items():
-        for src, dst in PREFIXES:
-            if key.startswith(dst):
-                key = key.replace(dst, src, 1)
-                break
+        key = _original_key(key)
         if key == PATCH_EMBED:
             value = np.ascontiguousarray(value.transpose(0, 4, 1, 2, 3))
         out[key] = value
