@@ -40,6 +40,7 @@ import pathlib
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
+import _reference  # scripts/_reference.py
 import _unpatched  # scripts/_unpatched.py
 import numpy as np
 
@@ -156,21 +157,12 @@ class Reference:
     """The tiny checkpoint loaded into transformers, plus its tokenizer and PIL image processor."""
 
     def __init__(self, checkpoint: pathlib.Path):
-        import torch
-        from transformers import AutoTokenizer, CohereCompassForConditionalGeneration
-        from transformers.models.cohere_compass import CohereCompassImageProcessorPil, CohereCompassProcessor
+        from transformers.models.cohere_compass import CohereCompassProcessor
 
-        torch.set_num_threads(1)  # fixed reduction order: re-runs give identical bytes
-        torch.use_deterministic_algorithms(True)
-        model, info = CohereCompassForConditionalGeneration.from_pretrained(
-            checkpoint, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        self.model = model = _reference.load_model(checkpoint, "the tiny checkpoint")
+        self.tokenizer, self.image_processor = _reference.tokenizer_and_image_processor(
+            checkpoint, with_tokenizer_bounds=False
         )
-        problems = {k: sorted(v) for k, v in info.items() if v}
-        if problems:
-            raise SystemExit(f"the tiny checkpoint does not match the reference model: {problems}")
-        self.model = model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.image_processor = CohereCompassImageProcessorPil.from_pretrained(checkpoint)
         self.config = model.config
 
         class ProcessorWithoutVideo(CohereCompassProcessor):
