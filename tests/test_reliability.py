@@ -77,6 +77,14 @@ def edit_weights(folder: Path, edit: Callable[[dict], None]) -> None:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def assert_refused(folder: Path, message: str) -> None:
+    """validate_checkpoint and the loader guard (before mlx-vlm reads the folder) both refuse it."""
+    with pytest.raises(CheckpointError, match=message):
+        validate_checkpoint(folder)
+    with pytest.raises(CheckpointError, match=message):
+        load(folder)
+
+
 def quantize_checkpoint(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
     """An MLX-quantized copy (as mlx-vlm's convert writes one) of the tiny checkpoint."""
     import mlx.nn as nn
@@ -419,10 +427,7 @@ def test_pickle_only_checkpoint_is_refused_unopened(tiny_ckpt_original, tmp_path
     marker = tmp_path / "unpickled"
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Unpickled(marker)))
     refusal = r"holds only pickle weights \(pytorch_model\.bin\); compass-compat reads safetensors only and never unpickles: convert them"
-    with pytest.raises(CheckpointError, match=refusal):
-        load(folder)
-    with pytest.raises(CheckpointError, match=refusal):
-        validate_checkpoint(folder)
+    assert_refused(folder, refusal)
     assert not marker.exists()
 
 
@@ -498,11 +503,8 @@ def test_symlinked_weights_outside_the_folder_are_refused(tiny_ckpt_original, tm
         r"entry 'model\.safetensors' in .* is a link to .*/outside/model\.safetensors, outside the "
         r"checkpoint folder; .*copy the file into the folder"
     )
-    with pytest.raises(CheckpointError, match=message):
-        validate_checkpoint(folder)
     # The shim's loader guard refuses the folder before mlx-vlm globs and reads the weights.
-    with pytest.raises(CheckpointError, match=message):
-        load(folder)
+    assert_refused(folder, message)
 
 
 def test_symlinked_tokenizer_outside_the_folder_is_refused_before_reading(
@@ -527,12 +529,9 @@ def test_index_shard_paths_cannot_leave_the_folder(tiny_ckpt_original, tmp_path,
         r"model\.safetensors\.index\.json shard '\.\./outside/model\.safetensors' in .* points "
         r"outside the checkpoint folder"
     )
-    with pytest.raises(CheckpointError, match=message):
-        validate_checkpoint(folder)
     # mlx-vlm >= 0.6 would read the shards an index names (here the outside file); the shim's
     # loader guard refuses the folder first.
-    with pytest.raises(CheckpointError, match=message):
-        load(folder)
+    assert_refused(folder, message)
 
 
 def test_a_hugging_face_cache_snapshot_of_symlinks_loads(tiny_ckpt_original, tmp_path, reference):
