@@ -1,6 +1,8 @@
 """The reference fixtures, the tiny checkpoints, and driving a model the way mlx-vlm drives it.
 
-:func:`read_case_arrays` is the one reader of a case file (``tests/conftest.py`` uses it too).
+The tests use the same pieces: :func:`read_case_arrays` (the one reader of a case file,
+``tests/conftest.py``), :func:`case_inputs` (``tests/parity.py``) and :func:`stream_ids`
+(``tests/_mlx.py``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,21 @@ def matching_prefix(got: Sequence[int], want: Sequence[int]) -> int:
     return n
 
 
+def case_inputs(case: Dict[str, Any]) -> Tuple[Any, Any, Dict[str, Any]]:
+    """(input_ids, pixel_values or None, extra kwargs) of a case's arrays, as mlx arrays:
+    what ``Model.__call__`` takes."""
+    import mlx.core as mx
+
+    ids = mx.array(case["input_ids"])
+    if "pixel_values" not in case:
+        return ids, None, {}
+    extra = {
+        "image_grid_thw": mx.array(case["image_grid_thw"]),
+        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
+    }
+    return ids, mx.array(case["pixel_values"]), extra
+
+
 def stream_ids(
     model: Any,
     processor: Any,
@@ -228,17 +245,7 @@ class Context:
     # driving a model -------------------------------------------------
     def model_inputs(self, name: str) -> Tuple[Any, Any, Dict[str, Any]]:
         """(input_ids, pixel_values or None, extra kwargs) of a reference case, as mlx arrays."""
-        import mlx.core as mx
-
-        case = self.reference(name)
-        ids = mx.array(case["input_ids"])
-        if "pixel_values" not in case:
-            return ids, None, {}
-        extra = {
-            "image_grid_thw": mx.array(case["image_grid_thw"]),
-            "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
-        }
-        return ids, mx.array(case["pixel_values"]), extra
+        return case_inputs(self.reference(name))
 
     @staticmethod
     def prefill_logits(model: Any, ids: Any, pixel_values: Any, extra: Dict[str, Any]) -> np.ndarray:
