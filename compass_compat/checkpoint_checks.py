@@ -267,29 +267,21 @@ def _read_json(folder: Path, name: str, *, required: bool) -> Optional[Dict[str,
                 file=name,
             )
         return None
+
+    def damaged(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"{name} in {folder} {problem}; restore the file from the published checkpoint", folder=folder, file=name
+        )
+
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as err:
-        raise CheckpointError(
-            f"{name} in {folder} is not valid JSON ({err.msg} at line {err.lineno}, column "
-            f"{err.colno}); restore the file from the published checkpoint",
-            folder=folder,
-            file=name,
-        ) from err
+        raise damaged(f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from err
     except UnicodeDecodeError as err:
-        raise CheckpointError(
-            f"{name} in {folder} is not UTF-8 text ({err}); restore the file from the published checkpoint",
-            folder=folder,
-            file=name,
-        ) from err
+        raise damaged(f"is not UTF-8 text ({err})") from err
     if not isinstance(data, dict):
-        raise CheckpointError(
-            f"{name} in {folder} must hold a JSON object, not {type(data).__name__}; "
-            "restore the file from the published checkpoint",
-            folder=folder,
-            file=name,
-        )
+        raise damaged(f"must hold a JSON object, not {type(data).__name__}")
     return data
 
 

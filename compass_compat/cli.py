@@ -278,6 +278,11 @@ def _sampling_resolver():
     return resolve_sampling_defaults
 
 
+def unset_sampling_follows_checkpoint() -> bool:
+    """Whether this mlx-vlm's generate fills unset sampling options from generation_config.json."""
+    return _sampling_resolver() is not None
+
+
 def _generate_step_defaults() -> Dict[str, float]:
     """The sampling keywords this mlx-vlm's generate_step takes, with their defaults."""
     generate = importlib.import_module("mlx_vlm.generate")  # a module to 0.4.x, a package from 0.5
@@ -288,7 +293,7 @@ def _generate_step_defaults() -> Dict[str, float]:
 def given_sampling(args: argparse.Namespace) -> Dict[str, float]:
     """The sampling flags the user passed (as stream_generate keywords); refused where mlx-vlm lacks one."""
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    if given and _sampling_resolver() is None:
+    if given and not unset_sampling_follows_checkpoint():
         # mlx-vlm 0.3.x: no top_k, and generate_step's **kwargs would swallow it silently.
         missing = [name for name in given if name not in _generate_step_defaults()]
         if missing:
@@ -315,7 +320,7 @@ def sampling_settings(config, given: Dict[str, float]) -> Dict[str, float]:
 def describe_sampling(settings: Dict[str, float], seed: int) -> str:
     values = " ".join(f"{name}={value:g}" for name, value in settings.items())
     version = implementation_info().mlx_vlm_version
-    if _sampling_resolver() is not None:
+    if unset_sampling_follows_checkpoint():
         source = f"unset: the checkpoint's generation_config.json, else mlx-vlm {version}'s defaults"
     else:
         source = f"unset: mlx-vlm {version}'s generate defaults, which ignore generation_config.json's sampling keys"

@@ -10,21 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SPECIAL_TOKENS = [
-    "<PAD>",
-    "<UNK>",
-    "<BOS_TOKEN>",
-    "<EOS_TOKEN>",
-    "<|START_OF_TURN_TOKEN|>",
-    "<|END_OF_TURN_TOKEN|>",
-    "<|USER_TOKEN|>",
-    "<|CHATBOT_TOKEN|>",
-    "<|SYSTEM_TOKEN|>",
-    "<|VISION_START|>",
-    "<|VISION_END|>",
-    "<|IMAGE_PAD|>",
-    "<|VIDEO_PAD|>",
-]
+from make_tiny_tokenizer import TRAILING_SPECIALS  # scripts/, on the path (conftest.py)
+
+# Cohere's turn and vision tokens, as in the committed tiny tokenizer; ids from 0 in this order.
+SPECIAL_TOKENS = ["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>", *TRAILING_SPECIALS]
 WORDS = "describe this image what is in the a cat dog and compare two images picture . ? , hello".split()
 
 # Shaped like the checkpoint's template: BOS, Cohere turns, one pad per image part.

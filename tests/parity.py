@@ -7,23 +7,20 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from compass_compat.checklist.harness import case_inputs, max_abs
+
 
 def image_kwargs(case: Dict) -> Dict:
-    if "pixel_values" not in case:
-        return {}
-    return {
-        "pixel_values": mx.array(case["pixel_values"]),
-        "image_grid_thw": mx.array(case["image_grid_thw"]),
-        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
-    }
+    """A case's image inputs as keyword arguments (none for a text case)."""
+    _, pixels, extra = case_inputs(case)
+    return {} if pixels is None else {"pixel_values": pixels, **extra}
 
 
 def prefill(model, case: Dict, cache=None) -> mx.array:
     """Prefill logits [L, V] of a reference case through Model.__call__."""
     cache = cache if cache is not None else model.language_model.make_cache()
-    kw = image_kwargs(case)
-    out = model(mx.array(case["input_ids"]), kw.pop("pixel_values", None), cache=cache, **kw)
-    return out.logits[0]
+    ids, pixels, extra = case_inputs(case)
+    return model(ids, pixels, cache=cache, **extra).logits[0]
 
 
 def teacher_forced_decode(model, case: Dict, steps: Optional[int] = None) -> np.ndarray:
@@ -54,9 +51,8 @@ def chunked_prefill(model, case: Dict, chunk: int) -> mx.array:
     """Prefill in chunks the way mlx-vlm >= 0.4 does: embeddings once, then the
     decoder per chunk with the full-prompt kwargs."""
     cache = model.language_model.make_cache()
-    kw = image_kwargs(case)
-    ids = mx.array(case["input_ids"])
-    emb = model.get_input_embeddings(ids, kw.pop("pixel_values", None), **kw)
+    ids, pixels, extra = case_inputs(case)
+    emb = model.get_input_embeddings(ids, pixels, **extra)
     extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
     rows = []
     L = ids.shape[1]
@@ -66,3 +62,16 @@ def chunked_prefill(model, case: Dict, chunk: int) -> mx.array:
         )
         rows.append(out.logits[0])
     return mx.concatenate(rows, axis=0)
+
+
+def assert_prefill_matches(model, case: Dict, name: str, tol: float) -> None:
+    diff = max_abs(prefill(model, case), case["prefill_logits"])
+    assert diff < tol, f"{name}: max |logits - reference| = {diff:.3g}"
+
+
+def assert_decode_steps_match(model, case: Dict, name: str, tol: float) -> None:
+    """Teacher-forced step logits within ``tol`` of the reference's, and their argmax its greedy ids."""
+    got = teacher_forced_decode(model, case)
+    diff = max_abs(got, case["greedy_logits"])
+    assert diff < tol, f"{name}: max |step logits - reference| = {diff:.3g}"
+    assert got.argmax(-1).tolist() == case["greedy_ids"].tolist()

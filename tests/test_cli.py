@@ -50,12 +50,19 @@ def main_in_process(capsys, *argv):
 # ------------------------------------------------------------------------- generate
 
 
-def cli_samples_by_default() -> bool:
-    """mlx-vlm >= 0.7 follows generation_config.json's do_sample when no sampling flag is given."""
-    import mlx_vlm
-    from packaging.version import Version
+def test_the_clis_sampling_rule_is_the_pins(tmp_path):
+    """cli's rule (behind its "Sampling:" line) against this mlx-vlm's own generate: with no
+    sampling option it samples from generation_config.json exactly where the rule says so."""
+    from test_generation_config import GENERATION_CONFIGS, mlx_vlm_run, token_ids, with_generation_config
 
-    return Version(mlx_vlm.__version__) >= Version("0.7")
+    from compass_compat.tiny import build_tiny_checkpoint
+
+    base = build_tiny_checkpoint(tmp_path / "base")
+    path = with_generation_config(base, tmp_path, GENERATION_CONFIGS["published"](token_ids()))
+    # Seeded alike: unset flags sample (ids differ from greedy) on 0.7.10 and decode greedily on
+    # 0.6.12, measured, so a wrong rule fails on one of them.
+    samples = mlx_vlm_run(path).ids != mlx_vlm_run(path, temperature=0.0).ids
+    assert cli.unset_sampling_follows_checkpoint() == samples
 
 
 def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path, monkeypatch, capsys):
@@ -73,7 +80,10 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     text = first.stdout.split("=" * 10 + "\n")[2].rstrip("\n")
     # The toy answers the demo picture correctly where our model runs and the pin decodes
     # greedily by default (0.7.10 samples from generation_config.json; upstream's model differs).
-    if compass_compat.implementation_info().implementation == "vendored" and not cli_samples_by_default():
+    if (
+        compass_compat.implementation_info().implementation == "vendored"
+        and not cli.unset_sampling_follows_checkpoint()
+    ):
         assert text.strip() == shapes.demo_questions()["describe"].answer, first.stdout
     else:
         assert text.strip(), first.stdout

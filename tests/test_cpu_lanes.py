@@ -24,6 +24,20 @@ def lanes():
     cpu_lanes._count, cpu_lanes._min_elements = saved
 
 
+PLAIN_ATTENTION = mx.fast.scaled_dot_product_attention
+
+
+def attention_calls(monkeypatch) -> list:
+    """The query shapes of every scaled_dot_product_attention call from here on."""
+    calls = []
+    monkeypatch.setattr(
+        cpu_lanes.mx.fast,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: calls.append(a[0].shape) or PLAIN_ATTENTION(*a, **kw),
+    )
+    return calls
+
+
 def _both(lanes, fn):
     lanes(1)
     one = fn()
@@ -110,13 +124,7 @@ def test_attention_in_query_blocks_is_bit_identical(lanes, monkeypatch, mask_kin
     whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     lanes(count)
     monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # the smallest blocks: 32 rows
-    calls = []
-    original = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(
-        cpu_lanes.mx.fast,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
-    )
+    calls = attention_calls(monkeypatch)
     blocked = cpu_lanes.attention(q, k, v, 0.25, mask)
     mx.eval(blocked)
     # 100 queries -> 4 blocks (32, 32, 32, 4) per head group.
@@ -322,13 +330,7 @@ def test_float32_2d_activations_keep_the_transposed_operands(lanes, no_pieces):
 
 def test_decode_attention_is_one_plain_call(lanes, monkeypatch):
     q, k, v = _attention_inputs(8, 4, 1, 40, 16, mx.float32, batch=1)
-    calls = []
-    original = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(
-        cpu_lanes.mx.fast,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw),
-    )
+    calls = attention_calls(monkeypatch)
     lanes(2)  # threshold 0: split over the lanes by KV-head groups
     split = cpu_lanes.attention(q, k, v, 0.25, None)
     assert calls == [(1, 4, 1, 16), (1, 4, 1, 16)]
@@ -338,7 +340,7 @@ def test_decode_attention_is_one_plain_call(lanes, monkeypatch):
         out = cpu_lanes.attention(q, k, v, 0.25, None)
         assert calls == [(1, 8, 1, 16)]
         calls.clear()
-        assert _graph(out) == _graph(original(q, k, v, scale=0.25, mask=None))
+        assert _graph(out) == _graph(PLAIN_ATTENTION(q, k, v, scale=0.25, mask=None))
         assert mx.array_equal(out, split).item()
 
 

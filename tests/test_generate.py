@@ -1,7 +1,7 @@
 """Greedy ids out of mlx-vlm's own load + stream_generate, after ``import compass_compat``."""
 
-import numpy as np
 import pytest
+from _mlx import greedy_ids
 from vendored import vendored
 
 vendored()
@@ -17,40 +17,15 @@ def loaded(tiny_ckpt_original):
     return load(str(tiny_ckpt_original))
 
 
-def run(loaded, prompt, images, recorded_ids=None):
-    from mlx_vlm import stream_generate
-
-    model, processor = loaded
-    seen = {}
-    if recorded_ids is not None:
-        original = model.get_input_embeddings
-
-        def spy(input_ids=None, *args, **kwargs):
-            recorded_ids.append(np.array(input_ids).tolist())
-            return original(input_ids, *args, **kwargs)
-
-        model.get_input_embeddings = spy
-    try:
-        for result in stream_generate(
-            model, processor, prompt, image=images or None, max_tokens=MAX_TOKENS, temperature=0.0
-        ):
-            # mlx-vlm 0.3.x yields the last token twice (once more after finalize).
-            seen.setdefault(result.generation_tokens, int(result.token))
-    finally:
-        if recorded_ids is not None:
-            del model.get_input_embeddings
-    return [seen[k] for k in sorted(seen)]
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_stream_generate_matches_reference(loaded, reference, fixture_images, name):
     case = reference(name)
     meta = case["meta"]
     images = [str(fixture_images[f]) for f in meta["images"]]
     fed = []
-    got = run(loaded, meta["prompt"], images, fed)
+    got = greedy_ids(loaded, meta["prompt"], images, MAX_TOKENS, fed=fed)
     # The ids mlx-vlm feeds the model are the reference's (one BOS, same expansion).
-    assert fed and fed[0] == case["input_ids"].tolist()
+    assert fed and fed[0]["input_ids"].tolist() == case["input_ids"].tolist()
     want = case["greedy_ids"].tolist()
     eos = loaded[0].config.eos_token_id
     if eos in want:

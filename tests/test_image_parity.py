@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity import chunked_prefill, greedy, image_kwargs, prefill, teacher_forced_decode
+from parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, image_kwargs, prefill
 from vendored import vendored
 
 compass = vendored("cohere_compass")
@@ -50,17 +50,13 @@ def test_vision_and_deepstack_features_match_reference(model, reference, name):
 
 @pytest.mark.parametrize("name", IMAGE_CASES)
 def test_prefill_logits_match_reference(model, reference, name):
-    case = reference(name)
-    diff = np.abs(np.array(prefill(model, case)) - case["prefill_logits"]).max()
-    assert diff < TOL, f"{name}: max |logits - reference| = {diff:.3g}"
+    assert_prefill_matches(model, reference(name), name, TOL)
 
 
 @pytest.mark.parametrize("name", IMAGE_CASES)
 def test_decode_steps_and_greedy_ids_match_reference(model, reference, name):
     case = reference(name)
-    got = teacher_forced_decode(model, case)
-    diff = np.abs(got - case["greedy_logits"]).max()
-    assert diff < TOL, f"{name}: max |step logits - reference| = {diff:.3g}"
+    assert_decode_steps_match(model, case, name, TOL)
     assert greedy(model, case, len(case["greedy_ids"])) == case["greedy_ids"].tolist()
 
 

@@ -262,6 +262,13 @@ def _edit(folder: pathlib.Path, name: str, edit) -> None:
     (folder / name).write_text(json.dumps(data))
 
 
+def refusal(folder: pathlib.Path, match: str) -> CheckpointError:
+    """The CheckpointError validate_checkpoint raises for ``folder`` (its message matching ``match``)."""
+    with pytest.raises(CheckpointError, match=match) as info:
+        validate_checkpoint(folder)
+    return info.value
+
+
 def test_checks_accept_the_published_layouts(loadable):
     for folder in loadable.values():
         validate_checkpoint(folder)
@@ -270,37 +277,28 @@ def test_checks_accept_the_published_layouts(loadable):
 def test_checks_refuse_bad_tokenizer_bounds(loadable, tmp_path):
     folder = rec.build_folder("cohere_original", tmp_path / "bad", base=loadable["cohere_original"])
     _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("max_pixels", 0))
-    with pytest.raises(
-        CheckpointError,
-        match=r"tokenizer_config\.json in .*: max_pixels must be a positive "
-        r"integer, got 0",
-    ) as info:
-        validate_checkpoint(folder)
-    assert info.value.file == "tokenizer_config.json"
+    match = r"tokenizer_config\.json in .*: max_pixels must be a positive integer, got 0"
+    assert refusal(folder, match).file == "tokenizer_config.json"
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("size", 1024)))
-    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json in .*: size must be an object"):
-        validate_checkpoint(folder)
+    refusal(folder, r"tokenizer_config\.json in .*: size must be an object")
 
 
 def test_checks_read_tokenizer_bounds_without_a_settings_file(loadable, tmp_path):
     folder = rec.build_folder("cohere_original", tmp_path / "bare", base=loadable["cohere_original"])
     (folder / "preprocessor_config.json").unlink()
     _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("min_pixels", -1))
-    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json in .*: min_pixels must be a positive"):
-        validate_checkpoint(folder)
+    refusal(folder, r"tokenizer_config\.json in .*: min_pixels must be a positive")
 
 
 def test_checks_refuse_min_over_max_across_files(loadable, tmp_path):
     """tokenizer_config.json's min_pixels over the block's max pixels: named with both sources."""
     folder = rec.build_folder("mlx_conversion", tmp_path / "crossed", base=loadable["mlx_conversion"])
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("min_pixels", 4000000)))
-    with pytest.raises(
-        CheckpointError,
-        match=r"min pixels 4000000 \(from tokenizer_config\.json min_pixels\) "
-        r"exceed max pixels 3868706 \(from processor_config\.json "
-        r"image_processor max_pixels\)",
-    ):
-        validate_checkpoint(folder)
+    refusal(
+        folder,
+        r"min pixels 4000000 \(from tokenizer_config\.json min_pixels\) "
+        r"exceed max pixels 3868706 \(from processor_config\.json image_processor max_pixels\)",
+    )
 
 
 def test_checks_read_the_block_not_the_ignored_file(loadable, tmp_path):
@@ -310,13 +308,8 @@ def test_checks_read_the_block_not_the_ignored_file(loadable, tmp_path):
     _edit(folder, "preprocessor_config.json", lambda c: c.__setitem__("patch_size", -16))
     validate_checkpoint(folder)
     _edit(folder, "processor_config.json", lambda c: c["image_processor"].__setitem__("patch_size", 0))
-    with pytest.raises(
-        CheckpointError,
-        match=r"processor_config\.json image_processor in .*: patch_size must be a "
-        r"positive integer, got 0",
-    ) as info:
-        validate_checkpoint(folder)
-    assert info.value.file == "processor_config.json"
+    match = r"processor_config\.json image_processor in .*: patch_size must be a positive integer, got 0"
+    assert refusal(folder, match).file == "processor_config.json"
 
 
 # ------------------------------------------------------------------ the checklist's probe

@@ -355,11 +355,7 @@ def post(server, messages, max_tokens: int = 2):
     else:
         body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
     before = server.template_log.read_text().splitlines() if server.template_log.exists() else []
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{server.port}{ts.ROUTE}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    request = server.request(body)
     try:
         with urllib.request.urlopen(request, timeout=ts.REQUEST_TIMEOUT) as r:
             status, text = r.status, r.read().decode("utf-8", "replace")

@@ -16,7 +16,6 @@ nvfp4 (test_mlx_kernels_agree_with_dequantize shows both facts on the pin that h
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import shutil
@@ -26,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from _mlx import answer_ids, chat_prompt, load
 from _quant import quantize_folder
 from vendored import vendored
 
@@ -45,6 +45,7 @@ BROKEN_KERNELS = {"0.30.0": {"mxfp8", "nvfp4"}}  # mlx versions whose CPU matmul
 # (logit range ~20); the margin allows another accumulation order in a future mlx.
 TOL = 1e-4
 PIN = (version("mlx-vlm"), version("mlx"))
+PROMPT = "Describe the image."
 
 
 def refused(name: str) -> bool:
@@ -90,17 +91,8 @@ def folders(tiny_ckpt_mlx, tmp_path_factory):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def load(path: str):
-    from mlx_vlm import load as mlx_vlm_load
-
-    return mlx_vlm_load(path)
-
-
 def prompt(processor, model, image) -> str:
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    return apply_chat_template(processor, model.config, "Describe the image.", num_images=1 if image else 0)
+    return chat_prompt((model, processor), PROMPT, 1 if image else 0)
 
 
 def prefill_logits(path: pathlib.Path, image) -> np.ndarray:
@@ -115,20 +107,7 @@ def prefill_logits(path: pathlib.Path, image) -> np.ndarray:
 
 
 def greedy_tokens(path: pathlib.Path, image, max_tokens: int = 8):
-    from mlx_vlm import stream_generate
-
-    model, processor = load(str(path))
-    seen = {}
-    for r in stream_generate(
-        model,
-        processor,
-        prompt(processor, model, image),
-        image=[str(image)] if image else None,
-        max_tokens=max_tokens,
-        temperature=0.0,
-    ):
-        seen.setdefault(r.generation_tokens, int(r.token))
-    return [seen[k] for k in sorted(seen)]
+    return answer_ids(path, PROMPT, image, max_tokens)
 
 
 @pytest.mark.parametrize("name", sorted(MODES))

@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
+from _mlx import chat_prompt as prompt_for
+from _mlx import greedy_ids
 from PIL import Image
 from vendored import vendored
 
@@ -53,36 +55,9 @@ def load(path, **kwargs):
     return mlx_vlm_load(str(path), **kwargs)
 
 
-def prompt_for(loaded, text: str, num_images: int) -> str:
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    model, processor = loaded
-    return apply_chat_template(processor, model.config, text, num_images=num_images)
-
-
 def generate(loaded, prompt: str, images=None, max_tokens: int = MAX_TOKENS, fed: Optional[list] = None, **kwargs):
     """Greedy token ids through mlx-vlm's own stream_generate (what hosts call)."""
-    from mlx_vlm import stream_generate
-
-    model, processor = loaded
-    if fed is not None:
-        original = model.get_input_embeddings
-
-        def spy(input_ids=None, *args, **kw):
-            fed.append(np.array(input_ids).tolist())
-            return original(input_ids, *args, **kw)
-
-        model.get_input_embeddings = spy
-    seen: Dict[int, int] = {}
-    try:
-        for result in stream_generate(
-            model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, **kwargs
-        ):
-            seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last one
-    finally:
-        if fed is not None:
-            del model.get_input_embeddings
-    return [seen[k] for k in sorted(seen)]
+    return greedy_ids(loaded, prompt, images, max_tokens, fed=fed, **kwargs)
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
@@ -100,6 +75,14 @@ def edit_weights(folder: Path, edit: Callable[[dict], None]) -> None:
     weights = load_file(str(folder / "model.safetensors"))
     edit(weights)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def assert_refused(folder: Path, message: str) -> None:
+    """validate_checkpoint and the loader guard (before mlx-vlm reads the folder) both refuse it."""
+    with pytest.raises(CheckpointError, match=message):
+        validate_checkpoint(folder)
+    with pytest.raises(CheckpointError, match=message):
+        load(folder)
 
 
 def quantize_checkpoint(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
@@ -444,10 +427,7 @@ def test_pickle_only_checkpoint_is_refused_unopened(tiny_ckpt_original, tmp_path
     marker = tmp_path / "unpickled"
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Unpickled(marker)))
     refusal = r"holds only pickle weights \(pytorch_model\.bin\); compass-compat reads safetensors only and never unpickles: convert them"
-    with pytest.raises(CheckpointError, match=refusal):
-        load(folder)
-    with pytest.raises(CheckpointError, match=refusal):
-        validate_checkpoint(folder)
+    assert_refused(folder, refusal)
     assert not marker.exists()
 
 
@@ -523,11 +503,8 @@ def test_symlinked_weights_outside_the_folder_are_refused(tiny_ckpt_original, tm
         r"entry 'model\.safetensors' in .* is a link to .*/outside/model\.safetensors, outside the "
         r"checkpoint folder; .*copy the file into the folder"
     )
-    with pytest.raises(CheckpointError, match=message):
-        validate_checkpoint(folder)
     # The shim's loader guard refuses the folder before mlx-vlm globs and reads the weights.
-    with pytest.raises(CheckpointError, match=message):
-        load(folder)
+    assert_refused(folder, message)
 
 
 def test_symlinked_tokenizer_outside_the_folder_is_refused_before_reading(
@@ -552,12 +529,9 @@ def test_index_shard_paths_cannot_leave_the_folder(tiny_ckpt_original, tmp_path,
         r"model\.safetensors\.index\.json shard '\.\./outside/model\.safetensors' in .* points "
         r"outside the checkpoint folder"
     )
-    with pytest.raises(CheckpointError, match=message):
-        validate_checkpoint(folder)
     # mlx-vlm >= 0.6 would read the shards an index names (here the outside file); the shim's
     # loader guard refuses the folder first.
-    with pytest.raises(CheckpointError, match=message):
-        load(folder)
+    assert_refused(folder, message)
 
 
 def test_a_hugging_face_cache_snapshot_of_symlinks_loads(tiny_ckpt_original, tmp_path, reference):
@@ -638,7 +612,7 @@ def test_one_pixel_image_is_scaled_up_to_min_pixels_and_generates(loaded, images
     fed: list = []
     ids = generate(loaded, prompt, [str(images["one_pixel"])], fed=fed)
     assert len(ids) == MAX_TOKENS or ids[-1] == IDS["<|END_OF_TURN_TOKEN|>"]
-    assert fed[0][0].count(IDS["<|IMAGE_PAD|>"]) == 16
+    assert fed[0]["input_ids"][0].tolist().count(IDS["<|IMAGE_PAD|>"]) == 16
 
 
 def _reference_image_processor(folder: Path):
@@ -743,13 +717,13 @@ def test_placeholder_without_any_image_runs_as_text_like_the_reference(loaded):
     only when pixel_values are given). Recorded here as the current behaviour."""
     fed: list = []
     ids = generate(loaded, prompt_for(loaded, "Describe.", 1), None, fed=fed)
-    assert len(ids) == MAX_TOKENS and fed[0][0].count(IDS["<|IMAGE_PAD|>"]) == 1
+    assert len(ids) == MAX_TOKENS and fed[0]["input_ids"][0].tolist().count(IDS["<|IMAGE_PAD|>"]) == 1
 
 
 def test_empty_prompt_generates_from_bos(loaded):
     fed: list = []
     ids = generate(loaded, "", None, fed=fed)
-    assert fed[0] == [[IDS["<BOS_TOKEN>"]]]
+    assert fed[0]["input_ids"].tolist() == [[IDS["<BOS_TOKEN>"]]]
     assert len(ids) == MAX_TOKENS
     with pytest.raises(ValueError, match=r"the text has 0 <\|IMAGE_PAD\|> placeholder\(s\) but 1 image\(s\)"):
         generate(loaded, "", [str(Path(__file__).parent / "fixtures" / "images" / "synth_448x448.png")])

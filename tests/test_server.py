@@ -110,6 +110,14 @@ class Server:
         self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def request(self, body: dict, route: str = ROUTE) -> urllib.request.Request:
+        """A JSON POST of ``body`` to ``route`` on this server."""
+        return urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{route}",
+            data=json.dumps(body).encode("utf-8"),
+            headers={"Content-Type": "application/json"},
+        )
+
     def post(self, content: list, max_tokens: int = MAX_TOKENS) -> tuple:
         """(status, parsed JSON body) of one non-streaming request with these content parts."""
         if ROUTE.endswith("/responses"):
@@ -119,28 +127,12 @@ class Server:
                 else {"type": "input_text", "text": p["text"]}
                 for p in content
             ]
-            body = {
-                "model": self.model,
-                "input": [{"role": "user", "content": parts}],
-                "max_output_tokens": max_tokens,
-                "temperature": 0.0,
-                "stream": False,
-            }
+            body = {"input": [{"role": "user", "content": parts}], "max_output_tokens": max_tokens}
         else:
-            body = {
-                "model": self.model,
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "stream": False,
-            }
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{ROUTE}",
-            data=json.dumps(body).encode("utf-8"),
-            headers={"Content-Type": "application/json"},
-        )
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        body.update(model=self.model, temperature=0.0, stream=False)
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+            with urllib.request.urlopen(self.request(body), timeout=REQUEST_TIMEOUT) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as err:
             raw = err.read()

@@ -1,9 +1,8 @@
 """Text path against transformers' recorded outputs on the same tiny weights."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from parity import chunked_prefill, greedy, prefill, teacher_forced_decode
+from parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
 from vendored import vendored
 
 vendored()
@@ -22,19 +21,12 @@ def model(request, tiny_ckpt_original, tiny_ckpt_mlx):
 
 @pytest.mark.parametrize("name", TEXT_CASES)
 def test_prefill_logits_match_reference(model, reference, name):
-    case = reference(name)
-    got = np.array(prefill(model, case))
-    diff = np.abs(got - case["prefill_logits"]).max()
-    assert diff < TOL, f"{name}: max |logits - reference| = {diff:.3g}"
+    assert_prefill_matches(model, reference(name), name, TOL)
 
 
 @pytest.mark.parametrize("name", TEXT_CASES)
 def test_decode_steps_match_reference(model, reference, name):
-    case = reference(name)
-    got = teacher_forced_decode(model, case)
-    diff = np.abs(got - case["greedy_logits"]).max()
-    assert diff < TOL, f"{name}: max |step logits - reference| = {diff:.3g}"
-    assert got.argmax(-1).tolist() == case["greedy_ids"].tolist()
+    assert_decode_steps_match(model, reference(name), name, TOL)
 
 
 @pytest.mark.parametrize("name", TEXT_CASES)

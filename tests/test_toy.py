@@ -9,13 +9,14 @@ patch applied (upstream's model where the pin ships one and the vendored one is 
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 from typing import Dict, List
 
+import _mlx
 import numpy as np
 import pytest
+from _mlx import load
 from _quant import quantize_folder
 from PIL import Image
 from vendored import vendored
@@ -68,32 +69,10 @@ def toy_folders(tmp_path_factory) -> Dict[str, pathlib.Path]:
     }
 
 
-@functools.lru_cache(maxsize=None)
-def load(path: str):
-    from mlx_vlm import load as mlx_vlm_load
-
-    return mlx_vlm_load(path)
-
-
 def answer_ids(path: pathlib.Path, prompt: str, image) -> List[int]:
     """Greedy ids through mlx-vlm's chat template and ``stream_generate``, end of turn dropped."""
-    from mlx_vlm import stream_generate
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    model, processor = load(str(path))
-    text = apply_chat_template(processor, model.config, prompt, num_images=1 if image else 0)
-    seen = {}
-    for result in stream_generate(
-        model,
-        processor,
-        text,
-        image=[str(image)] if image else None,
-        max_tokens=REFERENCE["max_new_tokens"],
-        temperature=0.0,
-    ):
-        seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last one
-    ids = [seen[k] for k in sorted(seen)]
-    return strip_eos(ids, model.config.eos_token_id)
+    ids = _mlx.answer_ids(path, prompt, image, REFERENCE["max_new_tokens"])
+    return strip_eos(ids, load(str(path))[0].config.eos_token_id)
 
 
 def strip_eos(ids: List[int], eos: int) -> List[int]:

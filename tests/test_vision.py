@@ -92,6 +92,14 @@ def _pixels(grids, seed=1):
     return np.random.default_rng(seed).standard_normal((n, 3 * 2 * 16 * 16)).astype(np.float32)
 
 
+def _ours_on_one_picture():
+    """(our tower with the reference's weights, pixels of one 8x12-patch picture, its grids, the output)."""
+    model = _ours(_reference())
+    grids = [[1, 8, 12]]
+    pixels = mx.array(_pixels(grids))
+    return model, pixels, grids, model(pixels, grids)[0]
+
+
 def _max_diffs(grids, **overrides):
     ref = _reference(**overrides)
     ours = _ours(ref, **overrides)
@@ -144,11 +152,7 @@ def test_config_is_read_not_assumed():
 
 
 def test_grid_as_nested_list_and_bfloat16_run():
-    ref = _reference()
-    model = _ours(ref)
-    grids = [[1, 8, 12]]
-    pixels = mx.array(_pixels(grids))
-    a, _ = model(pixels, grids)
+    model, pixels, grids, a = _ours_on_one_picture()
     b, _ = model(pixels, mx.array(grids))
     assert mx.array_equal(a, b)
     model.set_dtype(mx.bfloat16)
@@ -160,11 +164,7 @@ def test_grid_as_nested_list_and_bfloat16_run():
 
 def test_quantized_linears_still_run():
     # MLX conversions may quantize the tower's Linears; those must take the layer's own path.
-    ref = _reference()
-    model = _ours(ref)
-    grids = [[1, 8, 12]]
-    pixels = mx.array(_pixels(grids))
-    a, _ = model(pixels, grids)
+    model, pixels, grids, a = _ours_on_one_picture()
     nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
     assert isinstance(model.blocks[0].attn.qkv, nn.QuantizedLinear)
     b, deep = model(pixels, grids)

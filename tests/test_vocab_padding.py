@@ -175,11 +175,7 @@ def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tok
             "temperature": 0.0,
             "stream": True,
         }
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{server.port}/v1/chat/completions",
-            data=json.dumps(body).encode("utf-8"),
-            headers={"Content-Type": "application/json"},
-        )
+        request = server.request(body, "/v1/chat/completions")
         deltas = []
         with urllib.request.urlopen(request, timeout=ts.REQUEST_TIMEOUT) as response:
             assert response.status == 200

@@ -1,6 +1,8 @@
 """The reference fixtures, the tiny checkpoints, and driving a model the way mlx-vlm drives it.
 
-:func:`read_case_arrays` is the one reader of a case file (``tests/conftest.py`` uses it too).
+The tests use the same pieces: :func:`read_case_arrays` (the one reader of a case file,
+``tests/conftest.py``), :func:`case_inputs` (``tests/parity.py``) and :func:`stream_ids`
+(``tests/_mlx.py``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,68 @@ def matching_prefix(got: Sequence[int], want: Sequence[int]) -> int:
     return n
 
 
+def case_inputs(case: Dict[str, Any]) -> Tuple[Any, Any, Dict[str, Any]]:
+    """(input_ids, pixel_values or None, extra kwargs) of a case's arrays, as mlx arrays:
+    what ``Model.__call__`` takes."""
+    import mlx.core as mx
+
+    ids = mx.array(case["input_ids"])
+    if "pixel_values" not in case:
+        return ids, None, {}
+    extra = {
+        "image_grid_thw": mx.array(case["image_grid_thw"]),
+        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
+    }
+    return ids, mx.array(case["pixel_values"]), extra
+
+
+def stream_ids(
+    model: Any,
+    processor: Any,
+    prompt: str,
+    images: Optional[Sequence[str]] = None,
+    max_tokens: int = N_GREEDY,
+    fed: Optional[List[Dict[str, Any]]] = None,
+    **kwargs: Any,
+) -> List[int]:
+    """Greedy ids from mlx-vlm's own ``stream_generate`` (temperature 0 unless ``kwargs`` say).
+
+    With ``fed``, a spy on ``model.get_input_embeddings`` appends what each call received
+    (input ids, pixel values, image grid, as numpy): the processor's output as mlx-vlm hands it
+    to the model.
+    """
+    from mlx_vlm import stream_generate
+
+    if fed is not None:
+        original = model.get_input_embeddings
+
+        def spy(input_ids: Any = None, *args: Any, **kw: Any) -> Any:
+            pixels = args[0] if args else kw.get("pixel_values")
+            grid = kw.get("image_grid_thw")
+            fed.append(
+                {
+                    "input_ids": np.array(input_ids),
+                    "pixel_values": None if pixels is None else np.array(pixels),
+                    "image_grid_thw": None if grid is None else np.array(grid),
+                }
+            )
+            return original(input_ids, *args, **kw)
+
+        model.get_input_embeddings = spy
+    kwargs.setdefault("temperature", 0.0)
+    seen: Dict[int, int] = {}
+    try:
+        for result in stream_generate(
+            model, processor, prompt, image=list(images) if images else None, max_tokens=max_tokens, **kwargs
+        ):
+            # mlx-vlm 0.3.x yields the last token twice (again after finalizing).
+            seen.setdefault(int(result.generation_tokens), int(result.token))
+    finally:
+        if fed is not None:
+            del model.get_input_embeddings
+    return [seen[k] for k in sorted(seen)]
+
+
 class Context:
     """What the items share: fixtures, the implementation, built checkpoints, loaded models."""
 
@@ -181,17 +245,7 @@ class Context:
     # driving a model -------------------------------------------------
     def model_inputs(self, name: str) -> Tuple[Any, Any, Dict[str, Any]]:
         """(input_ids, pixel_values or None, extra kwargs) of a reference case, as mlx arrays."""
-        import mlx.core as mx
-
-        case = self.reference(name)
-        ids = mx.array(case["input_ids"])
-        if "pixel_values" not in case:
-            return ids, None, {}
-        extra = {
-            "image_grid_thw": mx.array(case["image_grid_thw"]),
-            "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
-        }
-        return ids, mx.array(case["pixel_values"]), extra
+        return case_inputs(self.reference(name))
 
     @staticmethod
     def prefill_logits(model: Any, ids: Any, pixel_values: Any, extra: Dict[str, Any]) -> np.ndarray:
@@ -215,41 +269,12 @@ class Context:
 
     @staticmethod
     def prompt_path(model: Any, processor: Any, prompt: str, images: List[str], n: int) -> Dict[str, Any]:
-        """Run ``mlx_vlm.stream_generate`` on a prompt; return what the model was fed and the ids.
-
-        A spy on ``model.get_input_embeddings`` records the prefill's input ids, pixel values
-        and image grid: that is the processor's output as mlx-vlm hands it to the model.
-        """
-        from mlx_vlm import stream_generate
-
+        """Run ``mlx_vlm.stream_generate`` on a prompt; return what the model was fed and the ids."""
         fed: List[Dict[str, Any]] = []
-        original = model.get_input_embeddings
-
-        def spy(input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
-            pixels = args[0] if args else kwargs.get("pixel_values")
-            grid = kwargs.get("image_grid_thw")
-            fed.append(
-                {
-                    "input_ids": np.array(input_ids),
-                    "pixel_values": None if pixels is None else np.array(pixels),
-                    "image_grid_thw": None if grid is None else np.array(grid),
-                }
-            )
-            return original(input_ids, *args, **kwargs)
-
-        model.get_input_embeddings = spy
-        seen: Dict[int, int] = {}
-        try:
-            for result in stream_generate(
-                model, processor, prompt, image=images or None, max_tokens=n, temperature=0.0
-            ):
-                # mlx-vlm 0.3.x yields the last token twice (again after finalizing).
-                seen.setdefault(int(result.generation_tokens), int(result.token))
-        finally:
-            del model.get_input_embeddings
+        tokens = stream_ids(model, processor, prompt, images, n, fed=fed)
         if not fed:
             raise RuntimeError("stream_generate never called get_input_embeddings")
-        return {"fed": fed[0], "tokens": [seen[k] for k in sorted(seen)]}
+        return {"fed": fed[0], "tokens": tokens}
 
     def eos_id(self) -> Optional[int]:
         """The tiny checkpoint's end-of-turn id (mlx-vlm stops streaming there)."""
