@@ -183,6 +183,23 @@ def tiny_pixel_bounds(variant: str = "default") -> Tuple[int, int]:
     return 16384, (65536 if variant in ("small_max_pixels", "alt_attention") else 602112)
 
 
+PUBLISHED_IMAGE_PROCESSOR = dict(
+    do_convert_rgb=True,
+    do_resize=True,
+    resample=3,
+    size={"shortest_edge": 65536, "longest_edge": 16777216},
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+)
+"""The image processor settings of the published preprocessor_config.json."""
+
+
 def tiny_preprocessor_config(variant: str = "default") -> dict:
     """preprocessor_config.json with the published values (its size is overridden by the
     tokenizer_config.json pixel bounds, as in the published checkpoint).
@@ -191,23 +208,14 @@ def tiny_preprocessor_config(variant: str = "default") -> dict:
     (the published values are the class defaults) shows up.
     """
     _check("variant", variant, VARIANTS)
-    published = variant == "default"
-    return dict(
+    config = dict(
         image_processor_type="CohereCompassImageProcessor",
         processor_class="CohereCompassProcessor",
-        do_convert_rgb=True,
-        do_resize=True,
-        resample=3,
-        size={"shortest_edge": 65536, "longest_edge": 16777216},
-        do_rescale=True,
-        rescale_factor=1 / 255,
-        do_normalize=True,
-        image_mean=[0.5, 0.5, 0.5] if published else [0.48, 0.46, 0.41],
-        image_std=[0.5, 0.5, 0.5] if published else [0.27, 0.26, 0.28],
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
+        **copy.deepcopy(PUBLISHED_IMAGE_PROCESSOR),
     )
+    if variant != "default":
+        config.update(image_mean=[0.48, 0.46, 0.41], image_std=[0.27, 0.26, 0.28])
+    return config
 
 
 def tiny_tokenizer_config(variant: str = "default") -> dict:

@@ -24,23 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import _unpatched  # scripts/_unpatched.py
+
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSING = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "image_processing_cohere_compass.py"
 MIB = 1024 * 1024
 
-# The published preprocessor_config.json values.
-PUBLISHED = dict(
-    patch_size=16,
-    merge_size=2,
-    temporal_patch_size=2,
-    image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5],
-    resample=3,
-    do_convert_rgb=True,
-    do_rescale=True,
-    rescale_factor=1 / 255,
-    do_normalize=True,
-)
+# The published preprocessor_config.json values; the size is set per run.
+PUBLISHED = {k: v for k, v in _unpatched.module("tiny").PUBLISHED_IMAGE_PROCESSOR.items() if k != "size"}
 
 
 def _status_kib(field: str) -> int:

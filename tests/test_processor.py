@@ -17,6 +17,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import _unpatched  # scripts/_unpatched.py (tests/conftest.py puts scripts/ on the path)
 import numpy as np
 import pytest
 from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
@@ -30,20 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pc = by_path("processing_cohere_compass", "compass_processing_under_test")
 ipc = by_path("image_processing_cohere_compass", "compass_processing_under_test")
 
-# The published preprocessor_config.json values.
-CONFIG = dict(
-    patch_size=16,
-    merge_size=2,
-    temporal_patch_size=2,
-    image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5],
-    size={"shortest_edge": 65536, "longest_edge": 16777216},
-    resample=3,
-    do_convert_rgb=True,
-    do_rescale=True,
-    rescale_factor=1 / 255,
-    do_normalize=True,
-)
+# The published preprocessor_config.json values, without the keys that name classes.
+CONFIG = dict(_unpatched.module("tiny").PUBLISHED_IMAGE_PROCESSOR)
 REFERENCE_REASON = "the reference is transformers' native cohere_compass (transformers >= 5.21); not installed here"
 USER_IMAGE = {"type": "image"}
 
