@@ -42,7 +42,7 @@ from .startup import PTH_NAME, installed_hooks
 PROG = "python -m compass_compat"
 DEMO_IMAGE = Path(__file__).resolve().parent / "assets" / "demo.png"
 HOME_ENV = "COMPASS_COMPAT_HOME"
-DEFAULT_CHECKPOINT = "toy-shapes-v1"  # bump the suffix when the builder's output changes
+DEFAULT_CHECKPOINT = "toy-shapes-v2"  # bump the suffix when the builder's output changes
 MARKER = "compass-compat-default.json"
 DEFAULT_PROMPT = "Describe this picture."
 DEFAULT_MAX_TOKENS = 256
@@ -50,7 +50,7 @@ TOY_NOTE = (
     "compass-compat's default checkpoint: a TOY, the tiny cohere_compass trained on synthetic "
     "pictures of shapes, not North-Micro-Vision. It answers 'Describe this picture.', 'How many "
     "shapes are there?', 'What colour is the <shape>?' and 'Where is the <colour> <shape>?' "
-    "about pictures like the demo, and is often wrong (its accuracy: README). Pass --model PATH "
+    "about pictures like the demo (its accuracy: README) and nothing else. Pass --model PATH "
     "for a real checkpoint."
 )
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

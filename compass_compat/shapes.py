@@ -235,7 +235,8 @@ DEMO_SCENE = Scene((Shape("square", "blue", 24, 8, 48), Shape("star", "yellow", 
 one the toy answers correctly (``scripts/train_toy.py --find-demo`` picked it)."""
 
 
-def demo_questions() -> Dict[str, Question]:
-    """The demo picture's questions: the colour one names the star, the where one the square."""
-    square, star = DEMO_SCENE.shapes
-    return questions_about(DEMO_SCENE, star, square)
+def demo_questions(scene: Scene = DEMO_SCENE) -> Dict[str, Question]:
+    """A demo picture's questions: the colour one names the rightmost shape, the where one the
+    leftmost (for :data:`DEMO_SCENE`: the star and the square)."""
+    ordered = scene.ordered()
+    return questions_about(scene, ordered[-1], ordered[0])

@@ -2,7 +2,7 @@
 
 The demo scene of compass_compat.shapes (``DEMO_SCENE``: a blue square and a yellow star,
 192x192), rasterized by that module, so it is a picture of the kind the toy default checkpoint
-was trained on, and one it describes, counts and colours correctly (tests/test_toy.py). The committed file is the source of truth; rerun this only to change the picture:
+was trained on, and one it describes, counts, colours and boxes correctly (tests/test_toy.py). The committed file is the source of truth; rerun this only to change the picture:
 
     python scripts/make_demo_image.py [OUT]
 """

@@ -1,11 +1,17 @@
 """Train the toy checkpoint (compass_compat/data/toy_shapes) and record its reference answers.
 
-The tiny cohere_compass (compass_compat.toy.toy_config: the default tiny checkpoint's config)
-is trained from transformers' own initialisation with transformers' reference model
-(``CohereCompassForConditionalGeneration``) on CPU, on synthetic pictures drawn by
-compass_compat.shapes from ``TRAIN_SEED``: each step a batch of pictures, each with one
-question of a random kind, loss on the answer tokens and the end-of-turn token; every
-``TEXT_EVERY``-th step a batch of the text-only prompts. Seeded and deterministic
+The tiny cohere_compass (compass_compat.toy.toy_config: the default tiny checkpoint's config
+with a wider vision tower) is trained from transformers' own initialisation with transformers'
+reference model (``CohereCompassForConditionalGeneration``) on CPU, on synthetic pictures drawn
+by compass_compat.shapes from ``TRAIN_SEED``, in two phases:
+
+1. vision: the tower alone, with throw-away linear heads on its image tokens that read the kind,
+   colour and box of the shape under each token (``VISION_STEPS``);
+2. joint: the whole model, each step a batch of pictures, each with one question of a random
+   kind, loss on the answer tokens and the end-of-turn token plus the heads' loss
+   (``AUX_WEIGHT``); every ``TEXT_EVERY``-th step a batch of the text-only prompts.
+
+The heads are not part of the checkpoint. Seeded and deterministic
 (``torch.use_deterministic_algorithms``, a fixed thread count); the record keeps the loss curve
 and the greedy exact-match accuracy on held-out pictures (``EVAL_SEED``).
 
@@ -32,6 +38,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+import _reference  # scripts/_reference.py
 import _unpatched  # scripts/_unpatched.py
 import numpy as np
 
@@ -43,13 +50,21 @@ shapes, toy, boxes = (_unpatched.module(m) for m in ("shapes", "toy", "boxes")) 
 
 SEED = 0  # torch's initialisation and the order of question kinds
 THREADS = 1  # one thread: OpenMP threads stall when the cores are shared
-STEPS = 4000
+STEPS = 3000
 BATCH = 24
 LR = 3e-3
 WARMUP = 200
 TEXT_EVERY = 20
-VISION_LR_SCALE = 2.0  # the vision tower learns colours and kinds late at the base rate
+VISION_LR_SCALE = 1.0  # in the joint phase (the tower has had its own phase)
 KIND_WEIGHTS = (0.35, 0.1, 0.3, 0.25)  # describe, count, colour, where: counting is learnt first
+# The vision phase: the tower alone, told per image token which kind and colour of shape it
+# covers and that shape's box (heads thrown away after training). Without it the tower read
+# colours but not kinds, and the answers guessed. The heads stay on, weighted, in the joint phase.
+VISION_STEPS = 2000
+VISION_LR = 3e-3
+AUX_WEIGHT = 0.5
+AUX_MIN_PIXELS = 24  # a token belongs to the shape that covers most of it, if at least this much
+BOX_LOSS_SCALE = 5.0
 EVAL_PICTURES = 50
 MAX_NEW_TOKENS = 28
 N_TEST_PICTURES = 50
@@ -58,17 +73,11 @@ N_TEST_PICTURES = 50
 # ----------------------------------------------------------------------------- reference parts
 class Reference:
     """Tokenizer, chat template and PIL image processor of a checkpoint folder, as transformers
-    builds them (AutoProcessor needs torchvision, which this torch lacks)."""
+    builds them (the pixel bounds merged in, as CohereCompassProcessor does)."""
 
     def __init__(self, folder: pathlib.Path):
-        from transformers import AutoTokenizer
-        from transformers.models.cohere_compass import CohereCompassImageProcessorPil
-
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        # The processor merges tokenizer_config.json's pixel bounds into the image kwargs.
-        bounds = json.loads((folder / "tokenizer_config.json").read_text())
-        self.image_processor = CohereCompassImageProcessorPil.from_pretrained(
-            folder, min_pixels=bounds["min_pixels"], max_pixels=bounds["max_pixels"]
+        self.tokenizer, self.image_processor = _reference.tokenizer_and_image_processor(
+            folder, with_tokenizer_bounds=True
         )
         config = json.loads((folder / "config.json").read_text())
         self.image_token_id = config["image_token_id"]
@@ -125,6 +134,97 @@ def batch_inputs(ref: Reference, items: List[tuple], with_image: bool):
             mm_token_type_ids=(input_ids == ref.image_token_id).long(),
         )
     return inputs
+
+
+# ----------------------------------------------------------------------------- per-token targets
+def token_targets(scene, token: int):
+    """Per image token (row-major over the merged grid, the order the tower emits them): the kind
+    (0 background, else 1 + index in ``shapes.KINDS``), the colour (likewise over
+    ``shapes.COLOURS``) and the pixel box / size of the shape covering most of the token."""
+    side = shapes.SIZE // token
+    kind = np.zeros(side * side, np.int64)
+    colour = np.zeros(side * side, np.int64)
+    box = np.zeros((side * side, 4), np.float32)
+    best = np.zeros(side * side)
+    for shape in scene.shapes:
+        covered = shapes.shape_mask(shape).reshape(side, token, side, token).sum(axis=(1, 3)).reshape(-1)
+        mine = (covered > best) & (covered >= AUX_MIN_PIXELS)
+        kind[mine] = 1 + shapes.KINDS.index(shape.kind)
+        colour[mine] = 1 + list(shapes.COLOURS).index(shape.colour)
+        box[mine] = np.array(shapes.pixel_box(shape), np.float32) / shapes.SIZE
+        best = np.maximum(best, covered)
+    return kind, colour, box
+
+
+class AuxHeads:
+    """Linear heads on the tower's merged tokens (training only): kind, colour, box."""
+
+    def __init__(self, width: int):
+        import torch
+
+        torch.manual_seed(SEED + 1)
+        self.modules = torch.nn.ModuleDict(
+            dict(
+                kind=torch.nn.Linear(width, 1 + len(shapes.KINDS)),
+                colour=torch.nn.Linear(width, 1 + len(shapes.COLOURS)),
+                box=torch.nn.Linear(width, 4),
+            )
+        )
+
+    def loss(self, tokens, scenes, token: int):
+        """(loss, {kind and colour accuracy over shape tokens, mean box error in pixels})."""
+        import torch
+        import torch.nn.functional as F
+
+        targets = [token_targets(scene, token) for scene in scenes]
+        kind, colour, box = (torch.from_numpy(np.concatenate([t[i] for t in targets])) for i in range(3))
+        if tokens.shape[0] != kind.shape[0]:
+            raise AssertionError(f"{tokens.shape[0]} image tokens for {kind.shape[0]} targets")
+        shape_tokens = kind > 0
+        kind_logits, colour_logits = self.modules["kind"](tokens), self.modules["colour"](tokens)
+        box_pred = self.modules["box"](tokens)[shape_tokens]
+        loss = F.cross_entropy(kind_logits, kind) + F.cross_entropy(colour_logits, colour)
+        loss = loss + BOX_LOSS_SCALE * F.smooth_l1_loss(box_pred, box[shape_tokens], beta=0.02)
+        with torch.no_grad():
+            stats = {
+                "kind_accuracy": float((kind_logits.argmax(-1) == kind)[shape_tokens].float().mean()),
+                "colour_accuracy": float((colour_logits.argmax(-1) == colour)[shape_tokens].float().mean()),
+                "box_error_pixels": float((box_pred - box[shape_tokens]).abs().mean() * shapes.SIZE),
+            }
+        return loss, stats
+
+
+def token_size(ref: "Reference") -> int:
+    return ref.image_processor.patch_size * ref.image_processor.merge_size
+
+
+def train_vision(model, ref: "Reference", heads: AuxHeads, steps: int) -> list:
+    """The vision phase: the tower and the heads alone, on pictures from ``[TRAIN_SEED, 0]``."""
+    import torch
+
+    visual = model.model.visual
+    params = list(visual.parameters()) + list(heads.modules.parameters())
+    opt = torch.optim.AdamW(params, lr=VISION_LR, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = np.random.default_rng([shapes.TRAIN_SEED, 0])
+    curve, window = [], []
+    start = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = VISION_LR * min(1.0, (step + 1) / WARMUP)
+        scenes = [shapes.random_scene(rng) for _ in range(BATCH)]
+        pixel_values, grid = ref.pixels([shapes.render(scene) for scene in scenes])
+        loss, stats = heads.loss(visual(pixel_values, grid_thw=grid).pooler_output, scenes, token_size(ref))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        window.append(dict(stats, loss=loss.item()))
+        if (step + 1) % 50 == 0:
+            point = {k: round(float(np.mean([w[k] for w in window])), 4) for k in window[0]}
+            curve.append(dict(step=step + 1, **point, seconds=round(time.time() - start)))
+            window = []
+            print(f"vision step {step + 1}/{steps} {curve[-1]}", flush=True)
+    return curve
 
 
 # ----------------------------------------------------------------------------- greedy decoding
@@ -200,10 +300,15 @@ def box_iou(text: str, expected: str) -> float:
 
 # ----------------------------------------------------------------------------- training
 def train(
-    steps: int, out_dir: Optional[pathlib.Path] = None, init: Optional[pathlib.Path] = None, lr: float = LR
+    steps: int,
+    out_dir: Optional[pathlib.Path] = None,
+    init: Optional[pathlib.Path] = None,
+    lr: float = LR,
+    kind_weights: Sequence[float] = KIND_WEIGHTS,
 ) -> dict:
     """Train (from transformers' initialisation, or from the weights in folder ``init``: a further
-    stage on new pictures, its provenance appended) and write weights and provenance."""
+    stage on new pictures with the vision tower frozen, its provenance appended) and write
+    weights and provenance."""
     import torch
     import transformers
 
@@ -211,6 +316,7 @@ def train(
     torch.use_deterministic_algorithms(True)
     config = toy.toy_config()
     with tempfile.TemporaryDirectory() as tmp:
+        # Only the tokenizer and processor files are read: any weights will do.
         folder = toy.tiny.write_checkpoint(pathlib.Path(tmp), config, toy.tiny.tiny_weights(0))
         ref = Reference(folder)
     model = build_model(config)
@@ -224,9 +330,18 @@ def train(
         previous = json.loads((init / toy.PROVENANCE_FILE.name).read_text())
     stage = len(previous.get("stages", [])) + 1
     model.train()
+    heads = AuxHeads(config["vision_config"]["out_hidden_size"])
+    vision_curve = train_vision(model, ref, heads, VISION_STEPS) if init is None else []
+    # A further stage keeps the tower as trained: the heads that taught it are not kept.
+    frozen_tower = init is not None
+    for param in model.model.visual.parameters():
+        param.requires_grad_(not frozen_tower)
+    vision_seconds = vision_curve[-1]["seconds"] if vision_curve else 0
+    captured: dict = {}
+    model.model.visual.register_forward_hook(lambda _m, _a, out: captured.__setitem__("tokens", out.pooler_output))
     groups = []
     for visual in (False, True):
-        named = [(n, p) for n, p in model.named_parameters() if (".visual." in f".{n}") == visual]
+        named = [(n, p) for n, p in model.named_parameters() if (".visual." in f".{n}") == visual and p.requires_grad]
         scale = VISION_LR_SCALE if visual else 1.0
         matrices = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
         rest = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
@@ -234,6 +349,9 @@ def train(
             {"params": matrices, "weight_decay": 0.01, "scale": scale},
             {"params": rest, "weight_decay": 0.0, "scale": scale},
         ]
+    if not frozen_tower:
+        groups.append({"params": list(heads.modules.parameters()), "weight_decay": 0.01, "scale": VISION_LR_SCALE})
+    groups = [g for g in groups if g["params"]]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
@@ -246,7 +364,7 @@ def train(
     rng = np.random.default_rng(shapes.TRAIN_SEED if stage == 1 else [shapes.TRAIN_SEED, stage])
     kind_rng = np.random.default_rng(SEED if stage == 1 else [SEED, stage])
     text_items = list(shapes.TEXT_ANSWERS.items())
-    curve, window, seen = [], [], set()
+    curve, window, aux_window, seen = [], [], [], set()
     by_kind: Dict[str, List[float]] = {k: [] for k in ("text",) + shapes.QUESTION_KINDS}
     start = time.time()
     for step in range(steps):
@@ -255,12 +373,16 @@ def train(
         if step % TEXT_EVERY == TEXT_EVERY - 1:
             inputs = batch_inputs(ref, [(p, a, None) for p, a in text_items], with_image=False)
             kinds = ["text"] * len(text_items)
+            scenes = []
         else:
-            items, kinds = [], []
+            items, kinds, scenes = [], [], []
             for _ in range(BATCH):
                 scene = shapes.random_scene(rng)
                 seen.add(scene)
-                q = shapes.questions(scene, rng)[kind_rng.choice(shapes.QUESTION_KINDS, p=KIND_WEIGHTS)]
+                scenes.append(scene)
+                q = shapes.questions(scene, rng)[
+                    kind_rng.choice(shapes.QUESTION_KINDS, p=np.divide(kind_weights, sum(kind_weights)))
+                ]
                 items.append((q.prompt, q.answer, shapes.render(scene)))
                 kinds.append(q.kind)
             inputs = batch_inputs(ref, items, with_image=True)
@@ -272,6 +394,10 @@ def train(
         )
         counted = (labels != -100).sum(dim=1)
         loss = per_token.sum() / counted.sum()
+        if scenes and not frozen_tower:
+            aux_loss, aux_stats = heads.loss(captured.pop("tokens"), scenes, token_size(ref))
+            loss = loss + AUX_WEIGHT * aux_loss
+            aux_window.append(aux_stats)
         for kind, row in zip(kinds, (per_token.sum(dim=1) / counted).tolist()):
             by_kind[kind].append(row)
         opt.zero_grad(set_to_none=True)
@@ -286,10 +412,13 @@ def train(
                     "step": step + 1,
                     "loss": round(float(np.mean(window)), 5),
                     "loss_per_kind": kind_loss,
+                    "tokens": {  # none when the tower is frozen
+                        k: round(float(np.mean([w[k] for w in aux_window])), 4) for k in (aux_window or [{}])[0]
+                    },
                     "seconds": round(time.time() - start),
                 }
             )
-            window = []
+            window, aux_window = [], []
             by_kind = {k: [] for k in by_kind}
             print(
                 f"step {step + 1}/{steps} loss {curve[-1]['loss']:.4f} {kind_loss} ({curve[-1]['seconds']} s)",
@@ -315,7 +444,7 @@ def train(
         "data": {
             "recipe": "compass_compat.shapes: 192x192 pictures, 1-3 shapes of distinct kinds (circle, square, "
             "triangle, star), 4 colours, 8-pixel lattice, sides 48/64/80, no overlap; one question per picture, "
-            f"its kind drawn with weights {dict(zip(shapes.QUESTION_KINDS, KIND_WEIGHTS))}; every "
+            f"its kind drawn with weights {dict(zip(shapes.QUESTION_KINDS, kind_weights))}; every "
             f"{TEXT_EVERY}th step the text-only prompts",
             "train_seed": shapes.TRAIN_SEED,
             "eval_seed": shapes.EVAL_SEED,
@@ -330,13 +459,25 @@ def train(
             "init": f"transformers' own initialisation, torch.manual_seed({SEED})"
             if init is None
             else f"stage {stage - 1}'s weights (sha256 {previous.get('weights_sha256')})",
-            "optimizer": f"AdamW lr {lr} (vision tower x{VISION_LR_SCALE}) betas (0.9, 0.98), weight decay 0.01 "
+            "optimizer": f"AdamW lr {lr} (vision tower {'frozen' if frozen_tower else f'x{VISION_LR_SCALE}'}) betas (0.9, 0.98), weight decay 0.01 "
             f"on matrices; {WARMUP} warm-up steps then cosine to 5%; gradient clip 1.0",
             "steps": steps,
             "batch": BATCH,
             "threads": THREADS,
             "seconds": round(train_seconds),
             "curve": curve,
+            "vision_phase": {
+                "what": "the vision tower alone, with linear heads on its merged tokens (thrown away after "
+                "training) for the kind and colour of the shape covering most of each token (at least "
+                f"{AUX_MIN_PIXELS} pixels) and that shape's pixel box; the heads stay on in the joint phase, "
+                f"loss weight {AUX_WEIGHT}; box loss smooth L1 x{BOX_LOSS_SCALE}",
+                "picture_seed": [shapes.TRAIN_SEED, 0],
+                "optimizer": f"AdamW lr {VISION_LR}, {WARMUP} warm-up steps then constant; gradient clip 1.0",
+                "steps": len(vision_curve) * 50,
+                "batch": BATCH,
+                "seconds": vision_seconds,
+                "curve": vision_curve,
+            },
         },
         "held_out": held_out,
         "environment": {
@@ -348,7 +489,7 @@ def train(
         "weights_sha256": toy.tiny.weights_sha256(weights),
         "weights_bytes": weights_file.stat().st_size,
     }
-    this = {k: record[k] for k in ("data", "training", "held_out")}
+    this = {k: record[k] for k in ("command", "data", "training", "held_out")}
     record["stages"] = previous.get("stages", []) + [this]
     provenance_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {weights_file} ({record['weights_bytes']} bytes) and {provenance_file}")
@@ -358,22 +499,13 @@ def train(
 # ----------------------------------------------------------------------------- reference answers
 def record_reference() -> dict:
     """transformers' greedy answers on the committed toy weights, loaded from a checkpoint folder."""
-    import torch
     import transformers
-    from transformers import CohereCompassForConditionalGeneration
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    torch = _reference.deterministic_torch()
     with tempfile.TemporaryDirectory() as tmp:
         folder = toy.build_toy_checkpoint(pathlib.Path(tmp) / "toy")
-        model, info = CohereCompassForConditionalGeneration.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-        )
-        problems = {k: sorted(v) for k, v in info.items() if v}
-        if problems:
-            raise SystemExit(f"the toy checkpoint does not match the reference model: {problems}")
+        model = _reference.load_model(folder, "the toy checkpoint")
         ref = Reference(folder)
-    model.eval()
     pictures, text = [], []
     with torch.no_grad():
         for example in shapes.examples(shapes.TEST_SEED, N_TEST_PICTURES):
@@ -425,17 +557,14 @@ def find_demo(folder: pathlib.Path, count: int = 300) -> None:
     """Print the first pictures of two or three shapes in distinct colours (seed 4, never used
     elsewhere) that the weights in ``folder`` answer right (exact text; the box with IoU >= 0.5),
     as ``shapes.Shape`` literals for ``DEMO_SCENE``."""
-    import torch
-    from transformers import CohereCompassForConditionalGeneration
+    from safetensors.numpy import load_file
 
-    torch.set_num_threads(THREADS)
+    torch = _reference.deterministic_torch()
     with tempfile.TemporaryDirectory() as tmp:
-        from safetensors.numpy import load_file
-
         checkpoint = toy.tiny.write_checkpoint(
             pathlib.Path(tmp), toy.toy_config(), load_file(str(folder / toy.WEIGHTS_FILE.name))
         )
-        model = CohereCompassForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        model = _reference.load_model(checkpoint, f"the weights in {folder}")
         ref = Reference(checkpoint)
     found = 0
     with torch.no_grad():
@@ -444,11 +573,11 @@ def find_demo(folder: pathlib.Path, count: int = 300) -> None:
                 example.scene.shapes
             ):
                 continue
-            asked = example.questions
+            asked = shapes.demo_questions(example.scene)
             pixels = example.pixels()
             got = {k: decode(ref, greedy(model, ref, q.prompt, pixels)) for k, q in asked.items()}
             exact = all(got[k] == q.answer for k, q in asked.items() if k != "where")
-            if exact and len(example.scene.shapes) >= 2:
+            if exact and box_iou(got["where"], asked["where"].answer) >= 0.5:
                 print(example.scene.shapes, got, "box IoU", round(box_iou(got["where"], asked["where"].answer), 2))
                 found += 1
                 if found == 3:
@@ -462,12 +591,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, help="write the weights elsewhere and record nothing (trials)")
     parser.add_argument("--init", type=pathlib.Path, help="a further stage from this folder's weights and provenance")
     parser.add_argument("--lr", type=float, default=LR, help="peak learning rate (default: %(default)s)")
+    parser.add_argument(
+        "--kind-weights",
+        type=float,
+        nargs=4,
+        default=KIND_WEIGHTS,
+        metavar=("DESCRIBE", "COUNT", "COLOUR", "WHERE"),
+        help="how often each question kind is asked (default: %(default)s)",
+    )
     parser.add_argument("--find-demo", type=pathlib.Path, help="print demo scenes these weights answer right")
     args = parser.parse_args(argv)
     if args.find_demo:
         return find_demo(args.find_demo)
     if not args.record:
-        train(args.steps, args.out, args.init, args.lr)
+        train(args.steps, args.out, args.init, args.lr, args.kind_weights)
     if args.out is None:
         record_reference()
 
