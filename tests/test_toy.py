@@ -33,15 +33,13 @@ MIN_BOX_HITS = 0.80
 EOS = toy.toy_config()["eos_token_id"]
 
 
-def box_hits(answers: Dict[int, str]) -> List[bool]:
-    """Per test picture (index -> where answer): does the answer's box, scaled by the box helper,
-    overlap the named shape as drawn with IoU >= 0.5?"""
-    hits = []
-    for example in shapes.examples(REFERENCE["test_seed"], len(REFERENCE["pictures"])):
-        found = boxes.find_boxes(answers[example.index])
-        got = boxes.to_pixels(found[0], (shapes.SIZE, shapes.SIZE)) if found else None
-        hits.append(got is not None and boxes.iou(got, shapes.pixel_box(example.questions["where"].subject)) >= 0.5)
-    return hits
+def box_hit(answer: str, subject: shapes.Shape) -> bool:
+    """Does the first box in ``answer``, scaled by the box helper, overlap ``subject`` as drawn
+    with IoU >= 0.5?"""
+    found = boxes.find_boxes(answer)
+    if not found:
+        return False
+    return boxes.iou(boxes.to_pixels(found[0], (shapes.SIZE, shapes.SIZE)), shapes.pixel_box(subject)) >= 0.5
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +135,11 @@ def test_8bit_accuracy_within_five_points(toy_folders, float_ids, q8_ids, record
     assert q8 >= full - MAX_8BIT_DROP, f"8-bit exact match {q8:.3f} vs float {full:.3f}"
 
 
-def test_boxes_overlap_the_drawn_shape(toy_folders, float_ids, record_property):
-    answers = {e["index"]: decode(toy_folders["float"], float_ids[e["index"], "where"]) for e in REFERENCE["pictures"]}
-    hits = box_hits(answers)
+def test_boxes_overlap_the_drawn_shape(toy_folders, float_ids, pictures, record_property):
+    hits = [
+        box_hit(decode(toy_folders["float"], float_ids[index, "where"]), example.questions["where"].subject)
+        for index, (example, _) in pictures.items()
+    ]
     record_property("toy_box_iou_hits_float", round(float(np.mean(hits)), 4))
     assert np.mean(hits) >= MIN_BOX_HITS, f"IoU >= 0.5 on {np.mean(hits):.2f} of {len(hits)} boxes"
 
@@ -226,9 +226,8 @@ def test_demo_picture_is_answered_as_transformers_does(toy_folders, kind):
     if kind in EXACT_KINDS:
         assert recorded["text"] == recorded["expected"]
     else:
-        (found,) = boxes.find_boxes(recorded["text"])
-        drawn = shapes.pixel_box(shapes.demo_questions()[kind].subject)
-        assert boxes.iou(boxes.to_pixels(found, (shapes.SIZE, shapes.SIZE)), drawn) >= 0.5
+        assert len(boxes.find_boxes(recorded["text"])) == 1
+        assert box_hit(recorded["text"], shapes.demo_questions()[kind].subject)
     got = answer_ids(toy_folders["float"], recorded["prompt"], cli.DEMO_IMAGE)
     assert got == strip_eos(recorded["ids"], EOS)
 
