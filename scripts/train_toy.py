@@ -330,15 +330,17 @@ def train(
         previous = json.loads((init / toy.PROVENANCE_FILE.name).read_text())
     stage = len(previous.get("stages", [])) + 1
     model.train()
-    heads = AuxHeads(config["vision_config"]["out_hidden_size"])
-    vision_curve = train_vision(model, ref, heads, VISION_STEPS) if init is None else []
     # A further stage keeps the tower as trained: the heads that taught it are not kept.
     frozen_tower = init is not None
-    for param in model.model.visual.parameters():
-        param.requires_grad_(not frozen_tower)
+    heads, vision_curve, captured = None, [], {}
+    if frozen_tower:
+        for param in model.model.visual.parameters():
+            param.requires_grad_(False)
+    else:
+        heads = AuxHeads(config["vision_config"]["out_hidden_size"])
+        vision_curve = train_vision(model, ref, heads, VISION_STEPS)
+        model.model.visual.register_forward_hook(lambda _m, _a, out: captured.__setitem__("tokens", out.pooler_output))
     vision_seconds = vision_curve[-1]["seconds"] if vision_curve else 0
-    captured: dict = {}
-    model.model.visual.register_forward_hook(lambda _m, _a, out: captured.__setitem__("tokens", out.pooler_output))
     groups = []
     for visual in (False, True):
         named = [(n, p) for n, p in model.named_parameters() if (".visual." in f".{n}") == visual and p.requires_grad]
@@ -349,7 +351,7 @@ def train(
             {"params": matrices, "weight_decay": 0.01, "scale": scale},
             {"params": rest, "weight_decay": 0.0, "scale": scale},
         ]
-    if not frozen_tower:
+    if heads is not None:
         groups.append({"params": list(heads.modules.parameters()), "weight_decay": 0.01, "scale": VISION_LR_SCALE})
     groups = [g for g in groups if g["params"]]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
@@ -364,6 +366,7 @@ def train(
     rng = np.random.default_rng(shapes.TRAIN_SEED if stage == 1 else [shapes.TRAIN_SEED, stage])
     kind_rng = np.random.default_rng(SEED if stage == 1 else [SEED, stage])
     text_items = list(shapes.TEXT_ANSWERS.items())
+    kind_p = np.divide(kind_weights, sum(kind_weights))
     curve, window, aux_window, seen = [], [], [], set()
     by_kind: Dict[str, List[float]] = {k: [] for k in ("text",) + shapes.QUESTION_KINDS}
     start = time.time()
@@ -380,9 +383,7 @@ def train(
                 scene = shapes.random_scene(rng)
                 seen.add(scene)
                 scenes.append(scene)
-                q = shapes.questions(scene, rng)[
-                    kind_rng.choice(shapes.QUESTION_KINDS, p=np.divide(kind_weights, sum(kind_weights)))
-                ]
+                q = shapes.questions(scene, rng)[kind_rng.choice(shapes.QUESTION_KINDS, p=kind_p)]
                 items.append((q.prompt, q.answer, shapes.render(scene)))
                 kinds.append(q.kind)
             inputs = batch_inputs(ref, items, with_image=True)
@@ -394,7 +395,7 @@ def train(
         )
         counted = (labels != -100).sum(dim=1)
         loss = per_token.sum() / counted.sum()
-        if scenes and not frozen_tower:
+        if scenes and heads is not None:
             aux_loss, aux_stats = heads.loss(captured.pop("tokens"), scenes, token_size(ref))
             loss = loss + AUX_WEIGHT * aux_loss
             aux_window.append(aux_stats)
