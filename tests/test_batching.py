@@ -305,8 +305,9 @@ def test_get_rope_index_method_matches_the_reference(model, reference, name):
     want_delta = np.asarray(case["rope_deltas"]).reshape(-1) if "rope_deltas" in case else np.zeros(1)
     np.testing.assert_array_equal(np.array(position_ids), want)
     assert np.array(deltas).shape == (1, 1) and np.array(deltas).reshape(-1).tolist() == want_delta.tolist()
-    with pytest.raises(NotImplementedError, match="video"):
-        model.language_model.get_rope_index(mx.array(case["input_ids"]), None, mx.array([[2, 4, 4]]), None)
+    # A video grid for a prompt without video tokens is named, not ignored.
+    with pytest.raises(ValueError, match=r"video_grid_thw describes 2 temporal patch\(es\) but the prompt has video"):
+        model.language_model.get_rope_index(mx.array(case["input_ids"]), grid, mx.array([[2, 4, 4]]), None)
 
 
 def test_primed_delta_positions_a_cached_prefix_suffix(model, reference):

@@ -39,6 +39,25 @@ def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.
     return np.repeat(frame0, 2, axis=2).reshape(n, -1)
 
 
+def unpack_levels(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Pixel values [N, 3*T*P*P] float32 from per-channel codes into a table of values
+    (``scripts/record_video_model.py`` ``pack_levels``: every temporal slot stored)."""
+    n = codes.shape[0]
+    values = np.take_along_axis(levels[None], codes.reshape(n, 3, -1).astype(np.intp), axis=-1)
+    return values.reshape(codes.shape)
+
+
+def read_video_case(path: Path) -> Dict[str, np.ndarray]:
+    """The arrays of one video reference case file, pixel values unpacked."""
+    from safetensors.numpy import load_file
+
+    arrays = load_file(str(path))
+    for key in ("pixel_values_videos", "pixel_values"):
+        if f"{key}_codes" in arrays:
+            arrays[key] = unpack_levels(arrays.pop(f"{key}_codes"), arrays.pop(f"{key}_levels"))
+    return arrays
+
+
 def read_case_arrays(path: Path) -> Dict[str, np.ndarray]:
     """The arrays of one reference case file, pixel values unpacked."""
     from safetensors.numpy import load_file
@@ -133,17 +152,20 @@ def matching_prefix(got: Sequence[int], want: Sequence[int]) -> int:
 
 def case_inputs(case: Dict[str, Any]) -> Tuple[Any, Any, Dict[str, Any]]:
     """(input_ids, pixel_values or None, extra kwargs) of a case's arrays, as mlx arrays:
-    what ``Model.__call__`` takes."""
+    what ``Model.__call__`` takes (a video case's frames and grid are in the extra kwargs)."""
     import mlx.core as mx
 
     ids = mx.array(case["input_ids"])
-    if "pixel_values" not in case:
-        return ids, None, {}
-    extra = {
-        "image_grid_thw": mx.array(case["image_grid_thw"]),
-        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
-    }
-    return ids, mx.array(case["pixel_values"]), extra
+    extra: Dict[str, Any] = {}
+    if "pixel_values_videos" in case:
+        extra["pixel_values_videos"] = mx.array(case["pixel_values_videos"])
+        extra["video_grid_thw"] = mx.array(case["video_grid_thw"])
+    if "pixel_values" in case:
+        extra["image_grid_thw"] = mx.array(case["image_grid_thw"])
+    if extra:
+        extra["mm_token_type_ids"] = mx.array(case["mm_token_type_ids"])
+    pixels = mx.array(case["pixel_values"]) if "pixel_values" in case else None
+    return ids, pixels, extra
 
 
 def stream_ids(

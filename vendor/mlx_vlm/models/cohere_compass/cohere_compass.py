@@ -11,13 +11,19 @@ import numpy as np
 
 from .config import ModelConfig, grid_sequence, weight_key
 from .image_processing_cohere_compass import GRID_MEMO
-from .language import LanguageModel, get_rope_index, padding_rows
+from .language import IMAGE, VIDEO, LanguageModel, get_rope_index, padding_rows
 from .vision import VisionModel
 
 # Keys of the dict that encode_image returned before it returned one array; still accepted.
 FEATURES, DEEPSTACK, GRID = "image_features", "deepstack_features", "image_grid_thw"
 
-# What get_input_embeddings takes as cached_image_features.
+# Per modality (mm_token_type_ids value): its name and the get_input_embeddings arguments.
+_NAMES = {IMAGE: "image", VIDEO: "video"}
+_PIXELS = {IMAGE: "pixel_values", VIDEO: "pixel_values_videos"}
+_GRIDS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
+_CACHED = {IMAGE: "cached_image_features", VIDEO: "cached_video_features"}
+
+# What get_input_embeddings takes as cached_image_features / cached_video_features.
 CachedFeatures = Union[mx.array, Sequence[mx.array], Dict[str, mx.array]]
 
 
@@ -54,6 +60,7 @@ class Model(nn.Module):
             tie_word_embeddings=config.tie_word_embeddings,
             image_token_id=config.image_token_id,
             spatial_merge_size=config.vision_config.spatial_merge_size,
+            video_token_id=config.video_token_id,
         )
         self.vision_tower = VisionModel(config.vision_config)
 
@@ -89,6 +96,12 @@ class Model(nn.Module):
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
         return mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
+
+    def encode_video(self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None) -> mx.array:
+        """:meth:`encode_image` for videos: the same tower on ``pixel_values_videos`` and
+        ``video_grid_thw`` (each temporal patch attends within itself), in the same array
+        form. Pass it back as ``get_input_embeddings(..., cached_video_features=...)``."""
+        return self.encode_image(pixel_values_videos, video_grid_thw)
 
     def encode_images(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs) -> mx.array:
         """mlx-vlm 0.7.x's name for :meth:`encode_image` (grid passed as a keyword)."""
@@ -132,77 +145,105 @@ class Model(nn.Module):
         image_grid_thw: Optional[Any] = None,
         mask: Optional[mx.array] = None,
         mm_token_type_ids: Optional[Any] = None,
+        pixel_values_videos: Optional[mx.array] = None,
+        video_grid_thw: Optional[Any] = None,
+        cached_video_features: Optional[CachedFeatures] = None,
         **kwargs,
     ) -> CompassEmbeddings:
-        """Token embeddings with image features scattered in, plus MRoPE positions.
+        """Token embeddings with image and video features scattered in, plus MRoPE positions.
 
-        Images come from ``pixel_values`` + ``image_grid_thw`` or, without running
-        the tower, from ``cached_image_features`` (``encode_image``'s array, a list
-        of such arrays in prompt order, or the older dict form). The deepstack
-        features come back dense, ``[B, L, K, D]`` with zeros off the image
-        tokens, so hosts slice and left-pad them like the embeddings.
+        Images come from ``pixel_values`` + ``image_grid_thw`` and videos from
+        ``pixel_values_videos`` + ``video_grid_thw`` (as the processor returns them)
+        or, without running the tower, from ``cached_image_features`` /
+        ``cached_video_features`` (``encode_image``'s array, a list of such arrays in
+        prompt order, or the older dict form). The deepstack features come back
+        dense, ``[B, L, K, D]`` with zeros off the vision tokens, so hosts slice and
+        left-pad them like the embeddings.
         """
         embeds = self.language_model.model.embed_tokens(input_ids)
-        if pixel_values is None and cached_image_features is None:
+        given = {
+            IMAGE: (pixel_values, cached_image_features, image_grid_thw),
+            VIDEO: (pixel_values_videos, cached_video_features, video_grid_thw),
+        }
+        given = {kind: parts for kind, parts in given.items() if parts[0] is not None or parts[1] is not None}
+        if not given:
             return self._text_embeddings(input_ids, embeds, mask)
-
-        encoded_grid = None
-        if cached_image_features is not None:
-            features, deepstack, encoded_grid = self._unpack_features(cached_image_features)
-            if image_grid_thw is None:
-                image_grid_thw = encoded_grid
-        else:
-            if image_grid_thw is None:
-                raise ValueError("image_grid_thw must be provided with pixel_values")
-            features, deepstack, _ = self._unpack_features(self.encode_image(pixel_values, image_grid_thw))
 
         ids = np.array(input_ids)
         if mm_token_type_ids is not None:
-            is_image = np.array(mm_token_type_ids) == 1
+            types = np.array(mm_token_type_ids)
         else:
-            is_image = ids == self.config.image_token_id
-        flat = np.nonzero(is_image.reshape(-1))[0]
-        if len(flat) != features.shape[0]:
-            raise ValueError(
-                f"Image features and image tokens do not match: the prompt has {len(flat)} "
-                f"image tokens but the image features cover {features.shape[0]} tokens. "
-                "Each image needs exactly one image placeholder, expanded by the processor, "
-                "and replayed features must come from the same images."
-            )
-        if image_grid_thw is None:
-            raise ValueError(
-                "image_grid_thw must be provided with cached_image_features (the processor returns "
-                "it for the prompt's images): image positions depend on each image's grid"
-            )
-        if encoded_grid is not None:
-            cached_grid = np.asarray(encoded_grid).reshape(-1, 3).tolist()
-            prompt_grid = np.asarray(image_grid_thw).reshape(-1, 3).tolist()
-            if cached_grid != prompt_grid:
-                raise ValueError(
-                    f"cached_image_features were encoded for image grids {cached_grid} but the "
-                    f"prompt's images have grids {prompt_grid}; re-encode the images"
-                )
+            types = (ids == self.config.image_token_id).astype(np.int32)
+            types[ids == self.config.video_token_id] = VIDEO
         B, L, D = embeds.shape
-        where = mx.array(flat.astype(np.uint32))
         merged = embeds.reshape(B * L, D)
-        merged[where] = features.astype(embeds.dtype)
-        dense = None
-        if deepstack:
-            dense = mx.zeros((B * L, len(deepstack), D), dtype=embeds.dtype)
-            dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
-            dense = dense.reshape(B, L, len(deepstack), D)
+        K = len(self.config.vision_config.deepstack_visual_indexes)
+        dense = mx.zeros((B * L, K, D), dtype=embeds.dtype) if K else None
+        grids: Dict[int, Any] = {}
+        for kind in (IMAGE, VIDEO):
+            flat = np.nonzero(types.reshape(-1) == kind)[0]
+            if kind not in given:
+                if len(flat):
+                    raise ValueError(
+                        f"The prompt has {len(flat)} {_NAMES[kind]} tokens but no {_NAMES[kind]} input: pass "
+                        f"{_PIXELS[kind]} + {_GRIDS[kind]} (or {_CACHED[kind]}) for them"
+                    )
+                continue
+            features, deepstack, grids[kind] = self._visual_features(kind, *given[kind])
+            if len(flat) != features.shape[0]:
+                raise ValueError(
+                    f"{_NAMES[kind].capitalize()} features and {_NAMES[kind]} tokens do not match: the prompt has "
+                    f"{len(flat)} {_NAMES[kind]} tokens but the {_NAMES[kind]} features cover {features.shape[0]} "
+                    f"tokens. Each {_NAMES[kind]} needs exactly one {_NAMES[kind]} placeholder, expanded by the "
+                    f"processor, and replayed features must come from the same {_NAMES[kind]}s."
+                )
+            where = mx.array(flat.astype(np.uint32))
+            merged[where] = features.astype(embeds.dtype)
+            if deepstack:
+                dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
 
         position_ids, deltas = get_rope_index(
             ids,
-            image_grid_thw,
+            grids.get(IMAGE),
             self.config.image_token_id,
             self._merge,
             attention_mask=padding_rows(mask),
-            mm_token_type_ids=is_image.astype(np.int32),
+            mm_token_type_ids=types,
+            video_grid_thw=grids.get(VIDEO),
+            video_token_id=self.config.video_token_id,
         )
+        if dense is not None:
+            dense = dense.reshape(B, L, K, D)
         return self._with_positions(
-            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(is_image), mask
+            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(types != 0), mask
         )
+
+    def _visual_features(
+        self, kind: int, pixels: Optional[mx.array], cached: Optional[CachedFeatures], grid: Optional[Any]
+    ) -> Tuple[mx.array, List[mx.array], Any]:
+        """(features [N, D], K deepstack [N, D], grid) of one modality, from pixels or a replay."""
+        if cached is None:
+            if grid is None:
+                raise ValueError(f"{_GRIDS[kind]} must be provided with {_PIXELS[kind]}")
+            features, deepstack, _ = self._unpack_features(self.encode_image(pixels, grid))
+            return features, deepstack, grid
+        features, deepstack, encoded_grid = self._unpack_features(cached)
+        if grid is None:
+            grid = encoded_grid
+        if grid is None:
+            raise ValueError(
+                f"{_GRIDS[kind]} must be provided with {_CACHED[kind]} (the processor returns it for the "
+                f"prompt's {_NAMES[kind]}s): their positions depend on each {_NAMES[kind]}'s grid"
+            )
+        if encoded_grid is not None:
+            cached_grid = np.asarray(encoded_grid).reshape(-1, 3).tolist()
+            prompt_grid = np.asarray(grid).reshape(-1, 3).tolist()
+            if cached_grid != prompt_grid:
+                raise ValueError(
+                    f"{_CACHED[kind]} were encoded for {_NAMES[kind]} grids {cached_grid} but the "
+                    f"prompt's {_NAMES[kind]}s have grids {prompt_grid}; re-encode the {_NAMES[kind]}s"
+                )
+        return features, deepstack, grid
 
     def _with_positions(self, embeds, position_ids, deltas, deepstack, visual, mask) -> CompassEmbeddings:
         # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s

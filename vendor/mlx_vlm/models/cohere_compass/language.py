@@ -250,6 +250,7 @@ class LanguageModel(nn.Module):
         tie_word_embeddings: bool = True,
         image_token_id: Optional[int] = None,
         spatial_merge_size: int = 2,
+        video_token_id: Optional[int] = None,
     ):
         super().__init__()
         self.config = config
@@ -260,6 +261,7 @@ class LanguageModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logit_scale = config.logit_scale
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.spatial_merge_size = spatial_merge_size
         # Names and meaning as Qwen-VL language models in mlx-vlm: hosts read and reset them.
         self._rope_deltas: Optional[mx.array] = None
@@ -290,19 +292,24 @@ class LanguageModel(nn.Module):
         """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a prompt.
 
         The Qwen-VL language-model method mlx-vlm 0.7.x calls to prime positions
-        before it trims a prompt to its uncached suffix. Image tokens are found by
-        ``image_token_id``; padding (``attention_mask == 0``) gets position 0.
+        before it trims a prompt to its uncached suffix. Image and video tokens are
+        found by ``image_token_id`` / ``video_token_id``; padding
+        (``attention_mask == 0``) gets position 0.
         """
-        if video_grid_thw is not None:
-            raise NotImplementedError("cohere_compass in compass-compat does not support video inputs yet")
-        if image_grid_thw is not None and self.image_token_id is None:
-            raise ValueError("get_rope_index needs image_token_id: build LanguageModel through Model")
+        for grid, token, name in (
+            (image_grid_thw, self.image_token_id, "image_token_id"),
+            (video_grid_thw, self.video_token_id, "video_token_id"),
+        ):
+            if grid is not None and token is None:
+                raise ValueError(f"get_rope_index needs {name}: build LanguageModel through Model")
         position_ids, deltas = get_rope_index(
             np.array(input_ids),
             image_grid_thw,
             -1 if self.image_token_id is None else self.image_token_id,
             self.spatial_merge_size,
             attention_mask=padding_rows(attention_mask),
+            video_grid_thw=video_grid_thw,
+            video_token_id=self.video_token_id,
         )
         return mx.array(position_ids), mx.array(deltas.reshape(-1, 1))
 
@@ -426,6 +433,20 @@ def padding_rows(mask: Any) -> Optional[np.ndarray]:
     return np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
 
 
+IMAGE, VIDEO = 1, 2  # mm_token_type_ids values, as the processor writes them
+
+
+def _grid_runs(image_grid_thw, video_grid_thw) -> Dict[int, List[Tuple[int, int, int]]]:
+    """The (t, h, w) grid each run of vision tokens takes, per token type, in prompt order.
+
+    A video's temporal patches are separate runs (the processor puts a timestamp
+    between them), so a video grid (t, h, w) gives t runs of grid (1, h, w).
+    """
+    images = list(grid_sequence(image_grid_thw)) if image_grid_thw is not None else []
+    videos = list(grid_sequence(video_grid_thw)) if video_grid_thw is not None else []
+    return {IMAGE: images, VIDEO: [(1, h, w) for t, h, w in videos for _ in range(t)]}
+
+
 def get_rope_index(
     input_ids: np.ndarray,
     image_grid_thw,
@@ -433,23 +454,27 @@ def get_rope_index(
     spatial_merge_size: int,
     attention_mask: Optional[np.ndarray] = None,
     mm_token_type_ids: Optional[np.ndarray] = None,
+    video_grid_thw=None,
+    video_token_id: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """Qwen-VL position ids [3, B, L] and rope deltas [B] for a prompt with images.
+    """Qwen-VL position ids [3, B, L] and rope deltas [B] for a prompt with images or videos.
 
-    Text advances all three axes by one; an image's pads take (t, h, w) indices of
-    its merged grid offset by the running position; the next text token starts
-    at the maximum position so far + 1. Images are found by token type
-    (``mm_token_type_ids`` when given, else ``input_ids == image_token_id``).
+    Text advances all three axes by one; a run of vision tokens takes the (t, h, w)
+    indices of its merged grid offset by the running position, and the next text
+    token starts at the running position + max(h, w) / merge. Each temporal patch of
+    a video is its own run with t = 1. Token types come from ``mm_token_type_ids``
+    (0 text, 1 image, 2 video) when given, else from the image and video token ids.
     """
     input_ids = np.asarray(input_ids)
     B, L = input_ids.shape
-    types = (
-        np.asarray(mm_token_type_ids)
-        if mm_token_type_ids is not None
-        else (input_ids == image_token_id).astype(np.int32)
-    )
-    grids = list(grid_sequence(image_grid_thw)) if image_grid_thw is not None else []
-    grid_iter = iter(grids)
+    if mm_token_type_ids is not None:
+        types = np.asarray(mm_token_type_ids)
+    else:
+        types = (input_ids == image_token_id).astype(np.int32)
+        if video_token_id is not None:
+            types[input_ids == video_token_id] = VIDEO
+    runs = _grid_runs(image_grid_thw, video_grid_thw)
+    taken = {IMAGE: 0, VIDEO: 0}
     m = spatial_merge_size
     position_ids = np.zeros((3, B, L), dtype=np.int32)
     deltas = np.zeros((B,), dtype=np.int64)
@@ -459,7 +484,8 @@ def get_rope_index(
         pieces: List[np.ndarray] = []
         pos, i, n = 0, 0, len(row_types)
         while i < n:
-            if row_types[i] == 0:
+            kind = int(row_types[i])
+            if kind == 0:
                 j = i
                 while j < n and row_types[j] == 0:
                     j += 1
@@ -467,20 +493,14 @@ def get_rope_index(
                 pos += j - i
                 i = j
                 continue
-            try:
-                t, h, w = next(grid_iter)
-            except StopIteration:
-                raise ValueError(
-                    "The prompt has more image tokens than image_grid_thw describes "
-                    f"({len(grids)} image(s)); pass one grid row per image"
-                ) from None
+            t, h, w = _next_grid(runs, taken, kind)
             gh, gw = h // m, w // m
             count = t * gh * gw
             run = row_types[i : i + count]
-            if len(run) != count or not np.all(run == row_types[i]):
+            if len(run) != count or not np.all(run == kind):
                 raise ValueError(
-                    f"Image {len(pieces)} needs {count} image tokens for grid "
-                    f"({t}, {h}, {w}) but the prompt has a run of {int(np.sum(run != 0))}"
+                    f"{_KIND_NAMES[kind].capitalize()} run {taken[kind] - 1} needs {count} tokens for grid "
+                    f"({t}, {h}, {w}) but the prompt has a run of {int(np.sum(run == kind))}"
                 )
             tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
             pieces.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos)
@@ -489,9 +509,31 @@ def get_rope_index(
         row = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int32)
         position_ids[:, b, keep] = row
         deltas[b] = (int(row.max()) + 1 - n) if n else 0
-    if next(grid_iter, None) is not None:
-        raise ValueError(
-            f"image_grid_thw describes {len(grids)} images but the prompt has image "
-            "tokens for fewer; each image needs its own placeholder"
-        )
+    for kind, grids in runs.items():
+        if taken[kind] < len(grids):
+            raise ValueError(
+                f"{_GRID_NAMES[kind]} describes {_count_items(kind, grids)} but the prompt has "
+                f"{_KIND_NAMES[kind]} tokens for fewer; each {_ITEM_NAMES[kind]} needs its own placeholder"
+            )
     return position_ids, deltas
+
+
+_KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
+_ITEM_NAMES = {IMAGE: "image", VIDEO: "video (one block per temporal patch)"}
+_GRID_NAMES = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
+
+
+def _count_items(kind: int, grids) -> str:
+    unit = "image(s)" if kind == IMAGE else "temporal patch(es)"
+    return f"{len(grids)} {unit}"
+
+
+def _next_grid(runs, taken, kind: int) -> Tuple[int, int, int]:
+    grids = runs[kind]
+    if taken[kind] >= len(grids):
+        raise ValueError(
+            f"The prompt has more {_KIND_NAMES[kind]} tokens than {_GRID_NAMES[kind]} describes "
+            f"({_count_items(kind, grids)}); pass one grid row per {_KIND_NAMES[kind]}"
+        )
+    taken[kind] += 1
+    return grids[taken[kind] - 1]
