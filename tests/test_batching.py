@@ -4,7 +4,7 @@ Continuous-batching hosts (mlx-lm's and mlx-vlm's BatchGenerator, oMLX) decode s
 sequences at once with ``BatchKVCache`` / ``BatchRotatingKVCache``: rows left-padded, a
 per-row ``offset`` array that the cache updates in place, rows merged in, filtered out,
 extended and extracted while the others keep decoding. Each row here is a recorded reference
-case (text of three lengths, one image, two images); its prefill logits and every
+case (text of three lengths, one image, two images, videos); its prefill logits and every
 teacher-forced decode step are compared with transformers' on the same weights, so a row that
 borrows another row's rope delta, or rotates with a stale offset, fails.
 """
@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 from packaging.version import Version
 from parity import image_kwargs
+from test_video_parity import video_case
 from vendored import vendored
+
+from compass_compat.checklist.harness import case_inputs
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here
 TOL = 1e-4
@@ -61,11 +64,10 @@ class Row:
 
     def __init__(self, model, case: Dict):
         self.case = case
-        ids = mx.array(case["input_ids"])
+        ids, pixels, extra = case_inputs(case)
         self.length = ids.shape[1]
-        if "pixel_values" in case:
-            kw = image_kwargs(case)
-            emb = model.get_input_embeddings(ids, kw.pop("pixel_values"), **kw)
+        if extra:  # an image or video prompt
+            emb = model.get_input_embeddings(ids, pixels, **extra)
             self.embeds, self.positions = emb.inputs_embeds, emb.position_ids
             self.deepstack = emb.deepstack_visual_embeds
             self.delta = int(np.asarray(case["rope_deltas"]).reshape(-1)[0])
@@ -140,21 +142,28 @@ def decode_step(model, rows: List[Row], cache, style: str, names: List[str]) -> 
 
 
 MIXED = ["text_short", "img_448", "text_long", "img_two"]
+# A video row among text and image rows (video cases: tests/fixtures/video_model).
+WITH_VIDEO = ["text_short", "video_4f", "img_448", "video_and_image"]
+
+
+def case_of(reference, name: str) -> Dict:
+    return video_case("tiny", name) if name.startswith("video") else reference(name)
 
 
 @needs_batch_caches
 @pytest.mark.parametrize("module", CACHE_MODULES)
 @pytest.mark.parametrize("style", ["rope_deltas", "position_ids"])
-def test_left_padded_batch_of_mixed_rows_matches_the_reference(model, reference, module, style):
-    rows = [Row(model, reference(n)) for n in MIXED]
+@pytest.mark.parametrize("names", [MIXED, WITH_VIDEO], ids=["text+image", "text+image+video"])
+def test_left_padded_batch_of_mixed_rows_matches_the_reference(model, reference, module, style, names):
+    rows = [Row(model, case_of(reference, n)) for n in names]
     width = max(r.length for r in rows)
     cache = batch_cache(model, module, [width - r.length for r in rows])
-    batched_prefill(model, rows, cache, MIXED)
+    batched_prefill(model, rows, cache, names)
     for r in rows:
         r.step = 0
         # The prefill's last logits are greedy step 0; decoding feeds greedy token 0 onwards.
     for _ in range(STEPS):
-        decode_step(model, rows, cache, style, MIXED)
+        decode_step(model, rows, cache, style, names)
 
 
 @needs_batch_caches
@@ -220,11 +229,11 @@ def test_merge_filter_extend_extract_keep_every_row_right(model, reference, modu
     for _ in range(2):
         decode_step(model, rows, cache, "rope_deltas", names)
     # A new request joins: prefilled alone, merged, then extended into the running batch.
-    newcomer = Row(model, reference("img_two"))
-    joined = merged(module, [single_prefill(model, newcomer)])
+    newcomers = [Row(model, reference("img_two")), Row(model, video_case("tiny", "video_two"))]
+    joined = merged(module, [single_prefill(model, r) for r in newcomers])
     for c, j in zip(cache, joined):
         c.extend(j)
-    rows, names = rows + [newcomer], names + ["img_two"]
+    rows, names = rows + newcomers, names + ["img_two", "video_two"]
     for _ in range(4):
         decode_step(model, rows, cache, "rope_deltas", names)
     # One row leaves the batch as a single-sequence cache and decodes alone (its delta as an int).
