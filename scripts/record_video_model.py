@@ -37,29 +37,11 @@ FORMAT = 1
 
 tiny = _unpatched.module("tiny")
 toy = _unpatched.module("toy")
-
-
-def make_clip(frames: int, height: int, width: int, seed: int) -> np.ndarray:
-    """A deterministic clip [T, H, W, 3] uint8: a seeded background and a square that moves
-    across it frame by frame (exact arithmetic only, so every machine draws the same pixels)."""
-    rng = np.random.default_rng([11, seed])
-    y, x = np.mgrid[0:height, 0:width]
-    background = np.stack([60 + 120 * x // width, 50 + 150 * y // height, 90 + 0 * x], -1)
-    background = background + rng.integers(-8, 9, (height, width, 3))
-    colour = rng.integers(0, 256, 3)
-    side = min(height, width) // 4
-    out = []
-    for t in range(frames):
-        frame = background.copy()
-        top = (height - side) * t // max(frames - 1, 1)
-        left = (width - side) * (frames - 1 - t) // max(frames - 1, 1)
-        frame[top : top + side, left : left + side] = colour
-        out.append(frame)
-    return np.clip(np.stack(out), 0, 255).astype(np.uint8)
+clips = _unpatched.module("clips")
 
 
 def _clip(name: str) -> np.ndarray:
-    return make_clip(*CLIPS[name])
+    return clips.make_clip(*CLIPS[name])
 
 
 # name -> (frames, height, width, seed). Sizes the tiny checkpoint's video processor keeps as they
