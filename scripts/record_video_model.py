@@ -68,6 +68,26 @@ CASES = {
     ),
 }
 TOY_CASES = ("video_4f",)
+# Whole clips as a video file holds them, sampled by the reference itself (do_sample_frames=True,
+# the processor's defaults plus the case's keywords): what a file gives through the CLI and the
+# mlx-vlm entry points (tests write the clip losslessly and read it back).
+# name -> (messages, clip, source fps, sampling keywords). Recorded on the toy checkpoint.
+FILE_CLIPS = {
+    "clip_72x128": (72, 128, 128, 7),
+    "clip_75x128": (75, 128, 128, 8),
+}
+FILE_CASES = {
+    "file_24fps": ([("video",), ("text", "What moves in this video?")], "clip_72x128", 24.0, {}),
+    # max_frames as the video processor's own setting: the reference ignores it as a call keyword
+    # (sample_frames reads self.max_frames), so a per-run cap means a processor built with it.
+    "file_24fps_max4": (
+        [("video",), ("text", "What moves in this video?")],
+        "clip_72x128",
+        24.0,
+        {"processor": {"max_frames": 4}},
+    ),
+    "file_30fps_odd": ([("video",), ("text", "Describe this video.")], "clip_75x128", 30.0, {}),
+}
 
 
 def messages(parts) -> List[dict]:
@@ -107,6 +127,42 @@ class Reference:
     def inputs(self, case: str) -> dict:
         from PIL import Image
 
+        if case in FILE_CASES:
+            parts, clip, fps, sampling = FILE_CASES[case]
+            prompt = self.processor.tokenizer.apply_chat_template(
+                messages(parts), tokenize=False, add_generation_prompt=True
+            )
+            frames = clips.make_clip(*FILE_CLIPS[clip])
+            video_processor, chosen = self.processor.video_processor, []
+            original = video_processor.sample_frames
+
+            def spy(*args, **kwargs):  # the indices the reference samples, for the index
+                indices = original(*args, **kwargs)
+                chosen.append([int(i) for i in indices])
+                return indices
+
+            sampling = dict(sampling)
+            settings = sampling.pop("processor", {})
+            saved = {name: getattr(video_processor, name) for name in settings}
+            video_processor.sample_frames = spy
+            for name, value in settings.items():
+                setattr(video_processor, name, value)
+            try:
+                out = self.processor(
+                    text=[prompt],
+                    videos=[frames],
+                    video_metadata=[{"fps": fps, "total_num_frames": len(frames)}],
+                    do_sample_frames=True,
+                    add_special_tokens=False,
+                    return_tensors="pt",
+                    **sampling,
+                )
+            finally:
+                del video_processor.sample_frames
+                for name, value in saved.items():
+                    setattr(video_processor, name, value)
+            out["prompt"], out["frames_indices"] = prompt, chosen
+            return out
         parts, videos, images = CASES[case]
         prompt = self.processor.tokenizer.apply_chat_template(
             messages(parts), tokenize=False, add_generation_prompt=True
@@ -197,11 +253,18 @@ class Reference:
             if cached != greedy:
                 raise SystemExit(f"{case}: cached and uncached greedy decoding of the reference disagree")
         top2 = np.sort(arrays["greedy_logits"], axis=-1)[:, -2:]
-        parts, videos, images = CASES[case]
+        if case in FILE_CASES:
+            parts, clip, fps, sampling = FILE_CASES[case]
+            videos = [{"clip": clip, "shape": list(FILE_CLIPS[clip]), "fps": fps, "sampling": sampling}]
+            videos[0]["frames_indices"] = inputs["frames_indices"][0]
+            images = []
+        else:
+            parts, pairs, images = CASES[case]
+            videos = [{"clip": name, "shape": list(CLIPS[name]), "fps": fps} for name, fps in pairs]
         meta = {
             "file": f"{case}.safetensors",
             "messages": messages(parts),
-            "videos": [{"clip": name, "shape": list(CLIPS[name]), "fps": fps} for name, fps in videos],
+            "videos": videos,
             "images": images,
             "prompt": inputs["prompt"],
             "expanded_prompt": self.processor.tokenizer.decode(ids[0]),
@@ -244,14 +307,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "generated_by": "scripts/record_video_model.py",
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
         "n_greedy": N_GREEDY,
-        "clips": {name: list(shape) for name, shape in CLIPS.items()},
+        "clips": {name: list(shape) for name, shape in {**CLIPS, **FILE_CLIPS}.items()},
         "checkpoints": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny.build_tiny_checkpoint(pathlib.Path(tmp) / "tiny", layout="original", dtype="float32")
         index["checkpoints"]["tiny"] = record_checkpoint(folder, "tiny", list(CASES), args.out / "tiny")
         folder = toy.build_toy_checkpoint(pathlib.Path(tmp) / "toy", layout="original", dtype="float32")
-        index["checkpoints"]["toy"] = record_checkpoint(folder, "toy", TOY_CASES, args.out / "toy")
+        index["checkpoints"]["toy"] = record_checkpoint(folder, "toy", TOY_CASES + tuple(FILE_CASES), args.out / "toy")
     (args.out / "index.json").write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

@@ -1,0 +1,157 @@
+"""Reading video files for cohere_compass: the frames the reference's sampling picks, and their times.
+
+Decoding uses what the installed mlx-vlm uses (OpenCV, which every mlx-vlm release requires):
+``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else OpenCV
+directly with the same calls (seek to each index, read, BGR to RGB). Which frames are read is
+decided by a sampler, normally the cohere_compass video processor's ``sample_frames`` (the
+reference's rule), so a clip gives the reference's frames and timestamps on every pin.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import CompassCompatError
+
+INSTALL_HINT = "pip install 'compass-compat[video]' (OpenCV; mlx-vlm itself normally brings opencv-python)"
+
+
+class VideoDecoderMissingError(CompassCompatError):
+    """OpenCV (``cv2``), the video decoder mlx-vlm uses, is not installed."""
+
+
+class VideoFileError(ValueError):
+    """A video file that cannot be read: missing, corrupt, not a video, or without frames."""
+
+
+@dataclass
+class SourceMetadata:
+    """What the decoder knows about a clip before sampling: the fields transformers'
+    ``VideoMetadata`` has, which the video processor's ``sample_frames`` reads."""
+
+    total_num_frames: int
+    fps: Optional[float]
+    width: int = 0
+    height: int = 0
+    frames_indices: List[int] = field(default_factory=list)
+
+    @property
+    def duration(self) -> Optional[float]:
+        return self.total_num_frames / self.fps if self.fps else None
+
+
+Sampler = Callable[[SourceMetadata], Sequence[int]]
+
+
+def _cv2():
+    try:
+        import cv2
+    except ImportError as err:
+        raise VideoDecoderMissingError(f"reading video files needs OpenCV (cv2): {INSTALL_HINT}") from err
+    return cv2
+
+
+def probe(path: str) -> SourceMetadata:
+    """Frame count, frame rate and size of a video file, as OpenCV reports them.
+
+    Raises:
+        VideoFileError: the file is missing, cannot be opened, or reports no frames.
+        VideoDecoderMissingError: OpenCV is not installed.
+    """
+    file = Path(_strip_scheme(path)).expanduser()
+    if not file.is_file():
+        raise VideoFileError(f"video file not found: {file}")
+    cv2 = _cv2()
+    cap = cv2.VideoCapture(str(file))
+    try:
+        if not cap.isOpened():
+            raise VideoFileError(f"cannot open {file} as a video (corrupt, not a video, or a codec OpenCV lacks)")
+        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+        fps = float(cap.get(cv2.CAP_PROP_FPS) or 0.0)
+        width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    finally:
+        cap.release()
+    if total <= 0:
+        raise VideoFileError(f"{file} reports no frames (corrupt or not a video)")
+    fps_known = fps if fps > 0 and math.isfinite(fps) else None
+    return SourceMetadata(total, fps_known, width, height, list(range(total)))
+
+
+def read_video(path: str, sampler: Sampler) -> Tuple[np.ndarray, SourceMetadata]:
+    """Decode the frames ``sampler`` picks from a video file.
+
+    Args:
+        path: a local file (``file://`` accepted).
+        sampler: maps the clip's :class:`SourceMetadata` to the frame indices to read, e.g.
+            ``lambda meta: processor.video_processor.sample_frames(meta, fps=2)``.
+
+    Returns:
+        ``(frames, metadata)``: frames ``(T, H, W, 3)`` uint8 RGB, and the clip's metadata with
+        ``frames_indices`` set to the indices read (their times are ``index / fps``). A clip
+        whose frame rate OpenCV cannot tell has ``fps`` None (the processor then assumes 24,
+        as the reference does, and warns).
+
+    Raises:
+        VideoFileError: unreadable file, indices outside the clip, or no frame could be read.
+        VideoDecoderMissingError: OpenCV is not installed.
+    """
+    source = probe(path)
+    indices = [int(i) for i in np.asarray(sampler(source)).reshape(-1)]
+    if not indices:
+        raise VideoFileError(f"no frames were chosen from {path} ({source.total_num_frames} frames)")
+    bad = [i for i in indices if not 0 <= i < source.total_num_frames]
+    if bad:
+        raise VideoFileError(f"frame indices {bad[:5]} are outside {path}'s {source.total_num_frames} frames")
+    frames = _decode(_strip_scheme(path), indices)
+    if not frames:
+        raise VideoFileError(f"no frame of {path} could be decoded (corrupt file?)")
+    if len(frames) < len(indices):
+        # As mlx-vlm: a read that fails part-way keeps the frames before it.
+        indices = indices[: len(frames)]
+    sizes = {f.shape for f in frames}
+    if len(sizes) != 1:
+        raise VideoFileError(f"{path} decoded to frames of different sizes {sorted(sizes)}")
+    metadata = SourceMetadata(source.total_num_frames, source.fps, source.width, source.height, indices)
+    return np.stack(frames), metadata
+
+
+def _decode(path: str, indices: Sequence[int]) -> List[np.ndarray]:
+    loader = _mlx_vlm_loader()
+    if loader is not None:
+        arr, _ = loader(path, frame_sampler=lambda *args, **kwargs: list(indices))
+        return [np.ascontiguousarray(np.transpose(f, (1, 2, 0))) for f in arr]
+    cv2 = _cv2()
+    cap = cv2.VideoCapture(path)
+    frames = []
+    try:
+        for index in indices:
+            cap.set(cv2.CAP_PROP_POS_FRAMES, index)
+            ok, frame = cap.read()
+            if not ok:
+                break
+            frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    finally:
+        cap.release()
+    return frames
+
+
+def _mlx_vlm_loader() -> Optional[Callable[..., Any]]:
+    """``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else None."""
+    try:
+        from mlx_vlm.utils import load_video
+    except ImportError:
+        return None
+    try:
+        return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _strip_scheme(path: str) -> str:
+    return path[len("file://") :] if str(path).startswith("file://") else str(path)
