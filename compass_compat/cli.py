@@ -45,6 +45,7 @@ HOME_ENV = "COMPASS_COMPAT_HOME"
 DEFAULT_CHECKPOINT = "toy-shapes-v2"  # bump the suffix when the builder's output changes
 MARKER = "compass-compat-default.json"
 DEFAULT_PROMPT = "Describe this picture."
+DEFAULT_VIDEO_PROMPT = "Describe this video."
 DEFAULT_MAX_TOKENS = 256
 TOY_NOTE = (
     "compass-compat's default checkpoint: a TOY, the tiny cohere_compass trained on synthetic "
@@ -192,11 +193,84 @@ def check_images(images: Sequence[str]) -> List[str]:
 # ------------------------------------------------------------------------- generate
 
 
+def check_videos(videos: Sequence[str]) -> List[str]:
+    out = []
+    for video in videos:
+        path = Path(video[len("file://") :] if video.startswith("file://") else video).expanduser()
+        if not path.is_file():
+            raise CliError(f"video file not found: {path}")
+        out.append(str(path))
+    return out
+
+
+def processor_errors(processor) -> Tuple[type, ...]:
+    """The processor module's input errors (video and image input it cannot take): reported
+    as one-line CLI errors instead of tracebacks."""
+    module = sys.modules.get(type(processor).__module__)
+    names = ("VideoInputError", "VideoNotSupportedError")
+    found = [getattr(module, name, None) for name in names]
+    return tuple(e for e in found if isinstance(e, type) and issubclass(e, Exception))
+
+
+def video_inputs(args: argparse.Namespace, processor, prompt: str, images: Sequence[str], videos: Sequence[str]):
+    """(prompt ids and model inputs as stream_generate keywords, per-video frame times) for a
+    video prompt, made here on every pin: each file read with the pin's decoder, the frames the
+    video processor's ``sample_frames`` picks (the reference's rule), then the processor."""
+    import mlx.core as mx
+    import numpy as np
+    from PIL import Image
+
+    from .video_files import read_video
+
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None or not hasattr(video_processor, "sample_frames"):
+        raise CliError(
+            f"the live cohere_compass processor ({type(processor).__module__}) takes no video; "
+            "compass-compat's does: run with COMPASS_COMPAT_FORCE_VENDORED=1"
+        )
+    sampling = {"fps": args.fps, "max_frames": args.max_frames}
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    clips, metadata = [], []
+    for video in videos:
+        frames, meta = read_video(video, lambda source: video_processor.sample_frames(source, **sampling))
+        clips.append(frames)
+        metadata.append(
+            {"total_num_frames": meta.total_num_frames, "fps": meta.fps, "frames_indices": meta.frames_indices}
+        )
+    content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+    content.append({"type": "text", "text": prompt})
+    messages = [{"role": "user", "content": content}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(
+        text=[text],
+        images=[Image.open(i).convert("RGB") for i in images] or None,
+        videos=clips,
+        video_metadata=metadata,
+        do_sample_frames=False,
+    )
+    kwargs = {"input_ids": mx.array(np.asarray(out["input_ids"]))}
+    if out.get("attention_mask") is not None:
+        kwargs["mask"] = mx.array(np.asarray(out["attention_mask"]))
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"):
+        if out.get(key) is not None:
+            kwargs[key] = mx.array(np.asarray(out[key]))
+    times = [[int(i) / (m["fps"] or 24.0) for i in m["frames_indices"]] for m in metadata]
+    return text, kwargs, times
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     model_ref, is_default = resolve_model(args.model)
     if args.no_image and args.image:
         raise CliError("--no-image and --image exclude each other")
-    images = [] if args.no_image else check_images(args.image or [str(DEMO_IMAGE)])
+    videos = check_videos(args.video or [])
+    if not videos and (args.fps is not None or args.max_frames is not None):
+        raise CliError("--fps and --max-frames need --video")
+    if args.fps is not None and args.fps <= 0:
+        raise CliError(f"--fps must be positive, got {args.fps:g}")
+    default_images = [] if videos else [str(DEMO_IMAGE)]
+    images = [] if args.no_image else check_images(args.image or default_images)
     box_output = check_box_flags(args, images)
     sampling = given_sampling(args)
 
@@ -209,16 +283,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except Exception as err:  # re-raised as a one-line CliError; the cause stays chained
         where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
         raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
-    prompt = " ".join(args.prompt) if args.prompt else DEFAULT_PROMPT
+    prompt = " ".join(args.prompt) if args.prompt else (DEFAULT_VIDEO_PROMPT if videos else DEFAULT_PROMPT)
     messages = (
         [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
     )
-    # Our processor refuses video (a video token typed into the prompt) with this error.
-    refused = getattr(sys.modules.get(type(processor).__module__), "VideoNotSupportedError", None)
-    refused = refused if isinstance(refused, type) and issubclass(refused, Exception) else ()
+    refused = processor_errors(processor)
+    from .video_files import VideoDecoderMissingError, VideoFileError
+
+    inputs: Dict[str, object] = {"image": images or None}
+    times: List[List[float]] = []
     try:
-        formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
-    except refused as err:
+        if videos:
+            formatted, inputs, times = video_inputs(args, processor, prompt, images, videos)
+        else:
+            formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    except (VideoFileError, VideoDecoderMissingError) + refused as err:
         raise CliError(str(err)) from err
 
     if args.verbose:
@@ -229,6 +308,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"       {TOY_NOTE}")
         print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")
         print(f"Images: {images}")
+        if videos:
+            for video, at in zip(videos, times):
+                shown = ", ".join(f"{t:.2f}" for t in at)
+                print(f"Video: {video}: {len(at)} frames at [{shown}] s")
         print(f"Prompt: {prompt}")
         print(f"Sampling: {describe_sampling(sampling_settings(model.config, sampling), args.seed)}")
         print("=" * 10, flush=True)
@@ -241,9 +324,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mx.random.seed(args.seed)
     # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
     try:
-        for result in stream_generate(
-            model, processor, formatted, image=images or None, max_tokens=args.max_tokens, **sampling
-        ):
+        for result in stream_generate(model, processor, formatted, max_tokens=args.max_tokens, **inputs, **sampling):
             print(result.text, end="", flush=True)
             pieces.append(result.text)
             last = result
@@ -625,6 +706,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="image file(s) or URL(s); repeatable; default: the bundled demo picture",
     )
     gen.add_argument("--no-image", action="store_true", help="text-only prompt")
+    gen.add_argument(
+        "--video",
+        nargs="+",
+        action="extend",
+        metavar="VIDEO",
+        help=(
+            "video file(s) (read with OpenCV, as mlx-vlm reads them); frames are sampled as the "
+            "reference does (2 per second of the clip by default, 4 to 768); with --video the demo "
+            "picture is not added"
+        ),
+    )
+    gen.add_argument(
+        "--fps",
+        type=_bounded(float, 0.0),
+        metavar="N",
+        help="with --video: frames to sample per second of the clip (default: the processor's, 2)",
+    )
+    gen.add_argument(
+        "--max-frames",
+        type=_bounded(int, 1),
+        metavar="N",
+        help="with --video: sample at most N frames per clip (default: the processor's, 768)",
+    )
     gen.add_argument("--prompt", nargs="+", help=f"the user message (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--system", help="system message")
     gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
