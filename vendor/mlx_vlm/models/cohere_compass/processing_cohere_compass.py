@@ -208,7 +208,36 @@ def _load_tokenizer(path: Path):
         # output); 4.57 expects a dict of named tokens: pass the list as additional_special_tokens.
         legacy = {"extra_special_tokens": {}, "additional_special_tokens": extra} if isinstance(extra, list) else {}
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **legacy)
+    if (read_json(path / "tokenizer_config.json") or {}).get("tokenizer_class") in (
+        "CohereTokenizer",
+        "CohereTokenizerFast",
+    ):
+        _as_transformers5_cohere(tokenizer)
     return without_double_bos(tokenizer)
+
+
+def _as_transformers5_cohere(tokenizer) -> None:
+    """Give ``tokenizer`` the pipeline transformers 5's ``CohereTokenizer`` builds whatever
+    tokenizer.json says: NFC, digits split one by one, byte-level.
+
+    compass-compat: transformers 4.57's ``CohereTokenizerFast`` (mlx-vlm 0.3.9) and a bare
+    ``PreTrainedTokenizerFast`` keep tokenizer.json's pre-tokenizer; where that lacks the digit
+    split (the tiny checkpoint's), "<48.5 seconds>" became "48" instead of "4", "8" (measured).
+    """
+    if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(tokenizer, "backend_tokenizer"):
+        return  # transformers 5's own class, or a slow tokenizer
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    prefix = bool(getattr(tokenizer, "add_prefix_space", False))
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=prefix, trim_offsets=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel(add_prefix_space=prefix, trim_offsets=True)
 
 
 def without_double_bos(tokenizer):
@@ -511,7 +540,7 @@ class CohereCompassProcessor:
 
         video_inputs, blocks, video_token_count, settled = {}, [], 0, []
         if videos:
-            video_inputs, settled = self.video_processor.run(videos, video_metadata, **video_kwargs)
+            video_inputs, settled = self.video_processor.run_batched(videos, video_metadata, **video_kwargs)
             blocks, video_token_count = self._video_blocks(video_inputs["video_grid_thw"], settled, video_kwargs)
 
         data = {}
@@ -604,7 +633,7 @@ class CohereCompassProcessor:
         # The parts the template renders as an image or a video: user messages only, as it decides.
         parts = [part for _, _, part in _user_parts(conversation)]
         images = [_image_source(part) for part in parts if _is_image_part(part)]
-        if None in images:
+        if any(image is None for image in images):
             raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
         videos = [_video_source(part) for part in parts if not _is_image_part(part) and _is_video_part(part)]
         if any(v is None for v in videos):

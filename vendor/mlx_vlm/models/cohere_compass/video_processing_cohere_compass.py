@@ -302,11 +302,15 @@ def _axis_weights(n_in: int, n_out: int) -> _AxisWeights:
 
 
 def _round_shift(sums: np.ndarray, precision: int) -> np.ndarray:
-    return np.clip(np.floor((sums + (1 << (precision - 1))) / (1 << precision)), 0, 255)
+    """(sums + 2**(p-1)) >> p, clipped to uint8's range, in place (exact: powers of two)."""
+    sums += 1 << (precision - 1)
+    sums *= 1.0 / (1 << precision)
+    np.floor(sums, out=sums)
+    return np.clip(sums, 0, 255, out=sums)
 
 
 def _resize_last_axis(rows: np.ndarray, n_out: int) -> np.ndarray:
-    """float64 (R, n_in) of uint8 values -> (R, n_out) uint8 values (as float64)."""
+    """float64 (R, n_in) of uint8 values -> (R, n_out) uint8 values (as float64): the horizontal pass."""
     weights = _axis_weights(rows.shape[1], n_out)
     out = np.empty((rows.shape[0], n_out))
     for a, b, lo, hi, block in weights.bands:
@@ -314,12 +318,12 @@ def _resize_last_axis(rows: np.ndarray, n_out: int) -> np.ndarray:
     return _round_shift(out, weights.precision)
 
 
-def _resize_first_axis(columns: np.ndarray, n_out: int) -> np.ndarray:
-    """float64 (n_in, K) -> (n_out, K)."""
-    weights = _axis_weights(columns.shape[0], n_out)
-    out = np.empty((n_out, columns.shape[1]))
+def _resize_rows(frames: np.ndarray, n_out: int) -> np.ndarray:
+    """float64 (..., n_in, W) -> (..., n_out, W): the vertical pass, one product per band."""
+    weights = _axis_weights(frames.shape[-2], n_out)
+    out = np.empty(frames.shape[:-2] + (n_out, frames.shape[-1]))
     for a, b, lo, hi, block in weights.bands:
-        np.matmul(block.T, columns[lo:hi], out=out[a:b])
+        np.matmul(block.T, frames[..., lo:hi, :], out=out[..., a:b, :])
     return _round_shift(out, weights.precision)
 
 
@@ -338,8 +342,7 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
         if in_w != width:
             x = _resize_last_axis(x.reshape(n * channels * in_h, in_w), width).reshape(n, channels, in_h, width)
         if in_h != height:
-            cols = np.moveaxis(x, 2, 0).reshape(in_h, n * channels * width)
-            x = np.moveaxis(_resize_first_axis(cols, height).reshape(height, n, channels, width), 0, 2)
+            x = _resize_rows(x, height)
         out[start : start + n] = x
     return out
 
@@ -360,8 +363,8 @@ class _Frames:
                 f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
-        if isinstance(video, Image.Image):
-            video = [video]
+        if isinstance(video, Image.Image) or (hasattr(video, "shape") and len(video.shape) == 3):
+            video = [video]  # one frame
         if isinstance(video, (list, tuple)):
             self._read_list(list(video))
         else:
@@ -829,7 +832,13 @@ class CohereCompassVideoProcessor:
     __call__ = preprocess
 
     def run(self, videos, video_metadata=None, **overrides) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
-        """({pixel_values_videos, video_grid_thw}, the frames each video used and their rate)."""
+        """({pixel_values_videos, video_grid_thw}, what sampling settled for each video)."""
+        return self.run_batched(batched_videos(videos), video_metadata, **overrides)
+
+    def run_batched(
+        self, items: list, video_metadata=None, **overrides
+    ) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
+        """:meth:`run` on a list of videos (:func:`batched_videos`)."""
         fps = overrides.pop("fps", None)
         num_frames = overrides.pop("num_frames", None)
         do_sample = overrides.pop("do_sample_frames", None)
@@ -839,7 +848,6 @@ class CohereCompassVideoProcessor:
         if vp.cap_pixels_per_frame is None:
             warn_video_settings(UNCAPPED_WARNING)
         do_sample = vp.do_sample_frames if do_sample is None else bool(do_sample)
-        items = batched_videos(videos)
         if isinstance(fps, (list, tuple)) and len(fps) != len(items):
             raise VideoMetadataError(f"{len(fps)} fps values were passed for {len(items)} videos; pass one per video")
         metadata = batched_metadata(video_metadata, len(items))
@@ -859,19 +867,20 @@ class CohereCompassVideoProcessor:
 
 
 def batched_videos(videos) -> list:
-    """A list of videos from one video (array, list of frames) or a list of them."""
+    """A list of videos from one video or a list of them, as transformers reads them: a 4-D
+    array is a video, a 5-D one a batch, a list of PIL images or 3-D arrays one video of those
+    frames, and a single PIL image or 3-D array a video of one frame."""
     if videos is None:
         return []
-    if isinstance(videos, np.ndarray) or (hasattr(videos, "shape") and not isinstance(videos, (list, tuple))):
+    if isinstance(videos, Image.Image):
+        return [[videos]]
+    if hasattr(videos, "shape") and not isinstance(videos, (list, tuple)):
         ndim = len(videos.shape)
-        if ndim == 5:
-            return list(videos)
-        return [videos]
+        return list(videos) if ndim == 5 else [[videos]] if ndim == 3 else [videos]
     if isinstance(videos, (list, tuple)):
         if not videos:
             return []
         first = videos[0]
-        # A list of frames (PIL images or 3-D arrays) is one video.
         if isinstance(first, Image.Image) or (hasattr(first, "shape") and len(first.shape) == 3):
             return [list(videos)]
         return list(videos)
