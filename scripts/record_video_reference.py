@@ -126,6 +126,11 @@ CASES: Dict[str, dict] = {
         call=dict(do_sample_frames=False),  # timestamps at an assumed 24 fps
         also=["pil", "channels_first"],
     ),
+    "short_clip_3": dict(
+        clips=[(3, 64, 96, 3)],  # fewer frames than min_frames: all 3 kept, padded to 4
+        messages=user(VIDEO, "What happens?"),
+        call=dict(video_metadata=[meta(3, 30)]),
+    ),
     "odd_count_5": dict(
         clips=[(5, 128, 128, 3)],
         messages=user("Watch:", VIDEO),
@@ -190,6 +195,12 @@ CASES: Dict[str, dict] = {
     ),
     "large_frames_capped": dict(
         clips=[(2, 800, 1024, 7)],  # over max_video_tokens * 32**2 pixels a frame: resized down
+        messages=user(VIDEO, "What is shown?"),
+        call=dict(do_sample_frames=False, cap_pixels_per_frame=True),
+    ),
+    "large_frames_capped_100_tokens": dict(
+        load=dict(max_video_tokens=100),  # the reference reads max_video_tokens from the instance only
+        clips=[(2, 800, 1024, 7)],
         messages=user(VIDEO, "What is shown?"),
         call=dict(do_sample_frames=False, cap_pixels_per_frame=True),
     ),

@@ -230,6 +230,13 @@ def test_call_time_max_frames_applies(processors):
     np.testing.assert_array_equal(np.asarray(out["input_ids"]), expected("load_max_frames_6")["input_ids"])
 
 
+def test_call_time_max_video_tokens_applies(processors):
+    """Likewise max_video_tokens (large_frames_capped_100_tokens: from_pretrained(max_video_tokens=100))."""
+    out, _ = run(processors(), "large_frames_capped_100_tokens", max_video_tokens=100)
+    np.testing.assert_array_equal(out["video_grid_thw"], expected("large_frames_capped_100_tokens")["video_grid_thw"])
+    np.testing.assert_array_equal(np.asarray(out["input_ids"]), expected("large_frames_capped_100_tokens")["input_ids"])
+
+
 def test_num_frames_alone_samples(processors):
     """The reference needs fps=None with num_frames (its default fps counts as given); both
     calls give its output here."""

@@ -531,7 +531,8 @@ def _rate(name: str, value) -> Optional[float]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
+        error = VideoMetadataError if name.startswith("metadata") else ValueError
+        raise error(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
     return value
 
 
@@ -702,7 +703,7 @@ class CohereCompassVideoProcessor:
             count = _positive_int("num_frames", num_frames)
         return np.linspace(0, total - 1, count).round().astype(int), source_fps
 
-    def settle(self, video: "_Frames", metadata: Any, do_sample_frames: bool, fps, num_frames, limits) -> SampledVideo:
+    def _settle(self, video: "_Frames", metadata: Any, do_sample_frames: bool, fps, num_frames, limits) -> SampledVideo:
         """Which of ``video``'s frames to use, and where they sit in the source clip."""
         count = len(video)
         passed = list(range(count))
@@ -800,7 +801,7 @@ class CohereCompassVideoProcessor:
         blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return blocks.reshape(grid[0] * grid[1] * grid[2], channels * tp * p * p), grid
 
-    def process_video(self, video: "_Frames", sampled: SampledVideo) -> Tuple[np.ndarray, List[int]]:
+    def _process_video(self, video: "_Frames", sampled: SampledVideo) -> Tuple[np.ndarray, List[int]]:
         """(patches, grid) of one video's sampled frames."""
         height, width = video.size()
         target = self.resized_shape(len(sampled.positions), height, width)
@@ -854,8 +855,8 @@ class CohereCompassVideoProcessor:
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
             frames = _Frames(video, position)
-            sampled = vp.settle(frames, meta, do_sample, fps, num_frames, limits)
-            patches, grid = vp.process_video(frames, sampled)
+            sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
+            patches, grid = vp._process_video(frames, sampled)
             rows.append(patches)
             grids.append(grid)
             settled.append(sampled)
