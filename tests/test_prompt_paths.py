@@ -17,8 +17,10 @@ chat_template.jinja (the reference), never literals. Three paths:
   reference renders it, and equals the reference rendering of the request's messages; requests
   its schema refuses never reach the template (statuses recorded per pin).
 
-Video: the template renders a video part; our processor refuses it on every path
-(``VideoNotSupportedError``: what, where, "send frames as images").
+Video: the template renders a video part; our processor renders it as the reference does and,
+given frames, expands it as transformers does (every rule against recorded fixtures:
+tests/test_video_processor.py). The token without frames (typed, or a video part whose frames
+never reach the processor) raises ``VideoCountMismatchError``, saying how to pass them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -183,39 +186,49 @@ def test_processor_call_tokenizes_the_reference_rendering(loaded, reference, ima
         assert ids == reference_ids(reference, messages), add_special_tokens
 
 
-def assert_video_refusal(err, where: str):
-    message = str(err)
-    assert "video input is not supported" in message and where in message, message
-    assert "one image part per frame" in message and VIDEO_TOKEN in message, message
+def video_fixture(name: str) -> dict:
+    """A recorded case of tests/fixtures/video (transformers' processor on the same tiny checkpoint)."""
+    folder = Path(__file__).resolve().parent / "fixtures" / "video"
+    case = json.loads((folder / "index.json").read_text(encoding="utf-8"))["cases"][name]
+    with np.load(folder / case["file"], allow_pickle=False) as arrays:
+        return {**case, "input_ids": arrays["input_ids"]}
 
 
-def test_processor_refuses_video_on_every_way_in(loaded, reference, image):
-    from mlx_vlm.models.cohere_compass.processing_cohere_compass import VideoNotSupportedError
+def test_processor_takes_video_on_every_way_in(loaded, reference, image):
+    from mlx_vlm.models.cohere_compass import processing_cohere_compass as pc
+
+    from compass_compat.clips import make_clip
 
     processor, _ = loaded
     messages = CASES["video_part"]
     rendered = reference(messages)  # what the template makes of it
-    with pytest.raises(VideoNotSupportedError) as err:
-        processor.apply_chat_template(messages, add_generation_prompt=True)
-    assert_video_refusal(err.value, "message 0 has a video part")
-    with pytest.raises(VideoNotSupportedError):
+    assert processor.apply_chat_template(messages, add_generation_prompt=True) == rendered
+    # Frames in the part: the reference's ids (recorded for the same rendering and frames).
+    recorded = video_fixture("frames_no_metadata")
+    assert recorded["prompt"] == rendered
+    with_frames = copy.deepcopy(messages)
+    with_frames[0]["content"][0]["video"] = make_clip(*recorded["clips"][0])
+    with pytest.warns(pc.VideoSettingsWarning):
+        ids = processor.apply_chat_template(with_frames, add_generation_prompt=True, tokenize=True)
+    assert np.asarray(ids).reshape(-1).tolist() == recorded["input_ids"].reshape(-1).tolist()
+    # A file name is not decoded here: a named error says what to pass.
+    with pytest.raises(pc.FrameContainerError, match="Decode the file first"):
         processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    typed = [{"role": "user", "content": f"look {VIDEO_TOKEN} here"}]  # the token as text
-    with pytest.raises(VideoNotSupportedError):
-        processor.apply_chat_template(typed, add_generation_prompt=True)
+    typed = [{"role": "user", "content": f"look {VIDEO_TOKEN} here"}]  # the token as text renders as text
+    assert processor.apply_chat_template(typed, add_generation_prompt=True) == reference(typed)
+    # The token with no frames, on every way in (mlx-vlm tokenizes text-only prompts itself).
     for call in (
         lambda: processor(text=rendered),
         lambda: processor(text=[reference(CASES["chatbot_role"]), rendered]),
         lambda: processor(text=rendered.replace(VIDEO_TOKEN, IMAGE_TOKEN) + VIDEO_TOKEN, images=[str(image)]),
-        lambda: processor.tokenizer(rendered),  # mlx-vlm tokenizes text-only prompts itself
+        lambda: processor.tokenizer(rendered),
         lambda: processor.tokenizer.encode(rendered, add_special_tokens=False),
     ):
-        with pytest.raises(VideoNotSupportedError) as err:
+        with pytest.raises(pc.VideoCountMismatchError, match=re.escape(VIDEO_TOKEN)):
             call()
-        assert_video_refusal(err.value, f"the prompt contains {VIDEO_TOKEN}")
-    with pytest.raises(VideoNotSupportedError) as err:
+    # Frames with no token for them.
+    with pytest.raises(pc.VideoCountMismatchError, match="0 <.*but 1 video"):
         processor(text=reference(CASES["chatbot_role"]), videos=[np.zeros((2, 32, 32, 3), np.uint8)])
-    assert_video_refusal(err.value, "a `videos=` argument was passed")
 
 
 def test_video_refused_before_any_model_work(tiny_ckpt_original):

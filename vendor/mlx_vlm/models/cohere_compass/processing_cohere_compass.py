@@ -1,8 +1,9 @@
 """Torch-free processor for cohere_compass (North-Micro-Vision): tokenizer loading, prompt
-expansion, video refusal and ``CohereCompassProcessor``.
+expansion (images, and videos with their timestamps) and ``CohereCompassProcessor``.
 
 Behaviour follows transformers' ``CohereCompassProcessor`` (5.21+); the image processor is
-in ``image_processing_cohere_compass.py`` (its public names are re-exported here), and the
+in ``image_processing_cohere_compass.py`` and the video processor in
+``video_processing_cohere_compass.py`` (their public names are re-exported here), and the
 module imports on transformers 4.57 and 5.x alike. Importing it registers nothing:
 compass_compat registers ``CohereCompassProcessor`` with ``AutoProcessor``.
 
@@ -30,13 +31,22 @@ generate code):
   ``return_tensors="pt"`` after any exception. Every returned key becomes a model
   keyword argument. 0.4.4+ convert images to RGB (alpha dropped) before the call.
 - 0.7.10 reads ``image_processor.num_image_tokens(h, w, **overrides)`` for budgets.
+- Videos (0.6.x and 0.7.x; ``processor_handles_video`` is true because ``__call__`` names
+  ``videos`` and ``video_processor`` is set): mlx-vlm decodes the file itself and passes
+  ``videos=[(T, C, H, W) uint8]``, ``fps=[sampled fps]`` and (0.7.x)
+  ``video_metadata=[VideoMetadata(total_num_frames, fps, frames_indices)]``; every one of those
+  reaches ``__call__`` only because it is a named parameter there. 0.7.x first asks
+  ``video_processor.sample_frames(source_metadata, fps=..., max_frames=...)`` which frames to
+  decode when ``video_processor.sample_frames_in_loader`` is true. See the video processor's
+  docstring for how those frames and rates are read.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
@@ -56,6 +66,24 @@ from .image_processing_cohere_compass import (
     read_pixel_bounds,
     resolve_pixel_bounds,
     smart_resize,
+)
+from .video_processing_cohere_compass import (
+    INSTANCE_ONLY_KEYS,
+    NO_FPS_TIMESTAMP_WARNING,
+    VIDEO_PROCESSOR_KEYS,
+    CohereCompassVideoProcessor,
+    EmptyVideoError,
+    FrameContainerError,
+    FrameDtypeError,
+    FrameSizeError,
+    TooFewFramesError,
+    VideoCountMismatchError,
+    VideoInputError,
+    VideoMetadataError,
+    VideoSettingsWarning,
+    batched_videos,
+    timestamps,
+    warn_video_settings,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,36 +119,33 @@ def load_chat_template(path: Path, tokenizer=None):
     return getattr(tokenizer, "chat_template", None)
 
 
-# ---------------------------------------------------------------- video: refused
+# ---------------------------------------------------------------- video tokens
 #
-# The published template renders a video part as <|VISION_START|><|VIDEO_PAD|><|VISION_END|>,
-# but this processor has no video preprocessing (frames, timestamps, video grids). Rendering
-# the token and running the model anyway would fail deep in the model or, worse, answer
-# without the video; so every way in refuses it first: a ``videos=`` argument, a video part
-# in apply_chat_template's messages, and any text holding the token (processor call and the
-# tokenizer, which mlx-vlm calls itself for text-only prompts).
+# The published template renders a video part as <|VISION_START|><|VIDEO_PAD|><|VISION_END|>;
+# the processor replaces each <|VIDEO_PAD|> with its video's timestamped blocks. Text holding
+# the token without its video (mlx-vlm tokenizes text-only prompts through the tokenizer
+# itself) would reach the model with no frames: the tokenizer refuses it with a named error.
 
 VIDEO_TOKEN = "<|VIDEO_PAD|>"
 
 
 class VideoNotSupportedError(ValueError):
-    """Video input reached the cohere_compass processor, which supports images only."""
+    """Kept for code that imports it: video is supported now and this is never raised
+    (mismatched video input raises :class:`VideoInputError` subclasses)."""
 
 
-def video_refusal(what: str) -> VideoNotSupportedError:
-    return VideoNotSupportedError(
-        f"cohere_compass (compass-compat): video input is not supported: {what}. "
-        f"The chat template writes {VIDEO_TOKEN} for a video part of a user message "
-        "({'type': 'video'} or a 'video' key). Send the video as still frames instead: one "
-        "image part per frame in the message, with the frames passed as images."
-    )
-
-
-def refuse_video_text(text) -> None:
-    """Raise :class:`VideoNotSupportedError` if ``text`` (a string or a list of them) holds the token."""
+def _count_video_tokens(text) -> int:
     texts = [text] if isinstance(text, str) else text if isinstance(text, (list, tuple)) else ()
-    if any(isinstance(t, str) and VIDEO_TOKEN in t for t in texts):
-        raise video_refusal(f"the prompt contains {VIDEO_TOKEN}, the token of a video part in a message")
+    return sum(t.count(VIDEO_TOKEN) for t in texts if isinstance(t, str))
+
+
+def video_without_frames(found: int) -> VideoCountMismatchError:
+    return VideoCountMismatchError(
+        f"cohere_compass: the text holds {found} {VIDEO_TOKEN} token(s) (a video part of a message renders as "
+        "one) but no video was passed with it. Pass the frames through the processor, "
+        "processor(text=..., videos=[frames], video_metadata=[{'total_num_frames': ..., 'fps': ...}]), or drop "
+        "the video part."
+    )
 
 
 def _is_image_part(part: dict) -> bool:  # the template's rule for user messages
@@ -152,6 +177,21 @@ def _image_source(part: dict):
     return None
 
 
+def _video_source(part: dict):
+    for key in ("video", "url", "path"):
+        if part.get(key) is not None:
+            return part[key]
+    return None
+
+
+def _video_call_defaults(values: dict) -> dict:
+    """The video settings among ``values`` that transformers applies to every call (the
+    instance-only ones, which it drops at call time, excepted)."""
+    return {
+        k: v for k, v in values.items() if k in VIDEO_PROCESSOR_KEYS and k not in INSTANCE_ONLY_KEYS and v is not None
+    }
+
+
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -168,7 +208,36 @@ def _load_tokenizer(path: Path):
         # output); 4.57 expects a dict of named tokens: pass the list as additional_special_tokens.
         legacy = {"extra_special_tokens": {}, "additional_special_tokens": extra} if isinstance(extra, list) else {}
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **legacy)
+    if (read_json(path / "tokenizer_config.json") or {}).get("tokenizer_class") in (
+        "CohereTokenizer",
+        "CohereTokenizerFast",
+    ):
+        _as_transformers5_cohere(tokenizer)
     return without_double_bos(tokenizer)
+
+
+def _as_transformers5_cohere(tokenizer) -> None:
+    """Give ``tokenizer`` the pipeline transformers 5's ``CohereTokenizer`` builds whatever
+    tokenizer.json says: NFC, digits split one by one, byte-level.
+
+    compass-compat: transformers 4.57's ``CohereTokenizerFast`` (mlx-vlm 0.3.9) and a bare
+    ``PreTrainedTokenizerFast`` keep tokenizer.json's pre-tokenizer; where that lacks the digit
+    split (the tiny checkpoint's), "<48.5 seconds>" became "48" instead of "4", "8" (measured).
+    """
+    if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(tokenizer, "backend_tokenizer"):
+        return  # transformers 5's own class, or a slow tokenizer
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    prefix = bool(getattr(tokenizer, "add_prefix_space", False))
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=prefix, trim_offsets=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel(add_prefix_space=prefix, trim_offsets=True)
 
 
 def without_double_bos(tokenizer):
@@ -180,8 +249,9 @@ def without_double_bos(tokenizer):
     a Cohere-style BOS post-processor would then give two BOS tokens. This is the only
     double-BOS guard. The instance's class is swapped for a subclass (same state, same
     name) so every caller of this tokenizer gets the fix, not only this processor. The subclass also
-    refuses text holding the video token (:func:`refuse_video_text`): mlx-vlm tokenizes
-    text-only prompts itself, so this processor's ``__call__`` never sees them.
+    refuses text holding the video token (:class:`VideoCountMismatchError`): mlx-vlm tokenizes
+    text-only prompts itself, so no video can come with them; the processor tokenizes its
+    expanded text through ``_compass_encode_expanded``, which skips that check.
     """
     base = type(tokenizer)
     if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
@@ -204,14 +274,21 @@ def without_double_bos(tokenizer):
         return text
 
     def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
-        refuse_video_text(text)
+        if _count_video_tokens(text):
+            raise video_without_frames(_count_video_tokens(text))
         return base.__call__(
             self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
         )
 
     def encode(self, text, *args, add_special_tokens=True, **kwargs):
-        refuse_video_text(text)
+        if _count_video_tokens(text):
+            raise video_without_frames(_count_video_tokens(text))
         return base.encode(
+            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
+        )
+
+    def encode_expanded(self, text=None, *args, add_special_tokens=True, **kwargs):
+        return base.__call__(
             self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
         )
 
@@ -221,6 +298,7 @@ def without_double_bos(tokenizer):
         {
             "__call__": __call__,
             "encode": encode,
+            "_compass_encode_expanded": encode_expanded,
             "_compass_no_double_bos": True,
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
@@ -276,24 +354,42 @@ def skipping_padding_ids(detokenizer, vocab_size: int):
 
 
 class CohereCompassProcessor:
-    """Tokenizer + image processor for cohere_compass; expands each ``<|IMAGE_PAD|>``."""
+    """Tokenizer + image and video processors for cohere_compass; expands each
+    ``<|IMAGE_PAD|>`` into its image's tokens and each ``<|VIDEO_PAD|>`` into its video's
+    timestamped blocks."""
 
     image_token = "<|IMAGE_PAD|>"
     video_token = "<|VIDEO_PAD|>"
     vision_start_token = "<|VISION_START|>"
     vision_end_token = "<|VISION_END|>"
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, image_defaults=None, **kwargs):
+    def __init__(
+        self,
+        image_processor=None,
+        tokenizer=None,
+        chat_template=None,
+        image_defaults=None,
+        video_processor=None,
+        video_defaults=None,
+        **kwargs,
+    ):
         if tokenizer is None:
             raise ValueError("CohereCompassProcessor needs a tokenizer")
         # Level 2 of "pixel bounds" (image_processing_cohere_compass.py): image kwargs every
         # call starts from. from_pretrained passes them (read from the folder's files);
         # otherwise the tokenizer's init kwargs hold them, as transformers' ProcessorMixin does.
+        init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
         if image_defaults is None:
-            init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
             image_defaults = {k: init_kwargs[k] for k in PIXEL_BOUND_KEYS if init_kwargs.get(k) is not None}
         self.image_defaults = dict(image_defaults)
+        # Video settings every call starts from: the tokenizer's init kwargs that are video
+        # settings, as ProcessorMixin merges them (measured: tokenizer_config.json's `size` and
+        # `fps` apply to video calls; its min_pixels / max_pixels do not).
+        if video_defaults is None:
+            video_defaults = _video_call_defaults(init_kwargs)
+        self.video_defaults = dict(video_defaults)
         self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
+        self.video_processor = video_processor if video_processor is not None else CohereCompassVideoProcessor()
         # The one double-BOS guard is the tokenizer's own (from_pretrained's has it already).
         self.tokenizer = without_double_bos(tokenizer)
         # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
@@ -315,16 +411,26 @@ class CohereCompassProcessor:
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """Build from a local checkpoint folder; loader options (revision, use_fast,
         trust_remote_code, ...) are ignored: nothing here reaches the network or runs
-        checkpoint code. Image processor keys in ``kwargs`` override the folder's values."""
+        checkpoint code. Image and video processor keys in ``kwargs`` override the folder's
+        values (a key both take, such as ``size``, goes to both, as in transformers)."""
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        video_overrides = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
         overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        for key in video_overrides:
+            kwargs.pop(key, None)
         tokenizer = _load_tokenizer(path)
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
         image_processor = CohereCompassImageProcessor.from_dict(bounds.image_config, **overrides)
         if bounds.call_defaults:  # what a call without kwargs uses, so num_image_tokens agrees
             image_processor = image_processor._with_overrides(bounds.call_defaults)
+        video_processor = CohereCompassVideoProcessor.from_pretrained(path, **video_overrides)
+        # transformers hands from_pretrained kwargs to the tokenizer too, so they are call defaults as well.
+        video_defaults = {
+            **_video_call_defaults(read_json(path / "tokenizer_config.json") or {}),
+            **_video_call_defaults(video_overrides),
+        }
         chat_template = kwargs.pop("chat_template", None) or load_chat_template(path, tokenizer)
         if getattr(tokenizer, "chat_template", None) is None and chat_template is not None:
             tokenizer.chat_template = chat_template  # for callers that template via the tokenizer
@@ -333,6 +439,8 @@ class CohereCompassProcessor:
             tokenizer=tokenizer,
             chat_template=chat_template,
             image_defaults=bounds.call_defaults,
+            video_processor=video_processor,
+            video_defaults=video_defaults,
         )
 
     def save_pretrained(self, save_directory, **kwargs):
@@ -340,13 +448,23 @@ class CohereCompassProcessor:
         path.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save_pretrained(str(path))
         self.image_processor.save_pretrained(str(path))
+        # Its own file: the image processor's file may carry image bounds the video must not take.
+        self.video_processor.save_pretrained(str(path))
         if isinstance(self.chat_template, str):
             (path / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
         return [str(path)]
 
     @property
     def model_input_names(self) -> List[str]:
-        return ["input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
+        return [
+            "input_ids",
+            "attention_mask",
+            "mm_token_type_ids",
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_values_videos",
+            "video_grid_thw",
+        ]
 
     def __call__(
         self,
@@ -354,26 +472,47 @@ class CohereCompassProcessor:
         text=None,
         videos=None,
         *,
+        video_metadata=None,
+        fps=None,
+        num_frames=None,
+        do_sample_frames: Optional[bool] = None,
         padding=False,
         padding_side: Optional[str] = None,
         add_special_tokens: bool = True,
         return_tensors=None,
         return_mm_token_type_ids: bool = True,
+        return_metadata: bool = False,
         **kwargs,
     ) -> BatchFeature:
-        if videos is not None:
-            raise video_refusal("a `videos=` argument was passed")
-        refuse_video_text(text)
-        if text is None and images is None:
-            raise ValueError("CohereCompassProcessor needs text, images or both")
-        image_kwargs = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        """transformers' call: ``text`` with one ``<|IMAGE_PAD|>`` per image and one
+        ``<|VIDEO_PAD|>`` per video. Videos are frames (see ``video_processing_cohere_compass``),
+        sampled from their ``video_metadata`` by ``fps`` (a number: frames per second to take;
+        a list, one per video: the rate of frames already sampled, as mlx-vlm passes it) or
+        ``num_frames``; other video settings (``cap_pixels_per_frame``, ``max_video_tokens``,
+        ``min_frames``, ``max_frames``, ``size``, ...) may be passed as keywords."""
+        if text is None and images is None and videos is None:
+            raise ValueError("CohereCompassProcessor needs text, images, videos or a mix")
+        image_kwargs = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
+        video_kwargs = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
+        for key in {*image_kwargs, *video_kwargs}:
+            kwargs.pop(key)
         # Call kwargs over the tokenizer-level defaults (level 2 of "pixel bounds").
         image_kwargs = {**self.image_defaults, **{k: v for k, v in image_kwargs.items() if v is not None}}
+        video_kwargs = {
+            **self.video_defaults,
+            **{k: v for k, v in video_kwargs.items() if v is not None},
+            **{k: v for k, v in (("fps", fps), ("num_frames", num_frames)) if v is not None},
+        }
+        if "num_frames" in video_kwargs and fps is None and self.video_defaults.get("fps") == video_kwargs.get("fps"):
+            video_kwargs.pop("fps", None)  # a call's num_frames beats an fps default
+        if do_sample_frames is not None:
+            video_kwargs["do_sample_frames"] = do_sample_frames
         tokenizer_kwargs = {k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs}
         if kwargs:
             logger.warning("CohereCompassProcessor ignores unsupported argument(s): %s", sorted(kwargs))
 
         images = flatten_images(images) if images is not None else []
+        videos = batched_videos(videos)
         texts = None
         if text is not None:
             texts = [text] if isinstance(text, str) else list(text)
@@ -385,46 +524,79 @@ class CohereCompassProcessor:
                     f"the text has {placeholders} {self.image_token} placeholder(s) but {len(images)} "
                     "image(s) were passed; they must match"
                 )
+            video_placeholders = sum(t.count(self.video_token) for t in texts)
+            if video_placeholders != len(videos):
+                raise VideoCountMismatchError(
+                    f"the text has {video_placeholders} {self.video_token} placeholder(s) (one per video part of a "
+                    f"message) but {len(videos)} video(s) were passed; pass one video per placeholder"
+                )
 
-        image_inputs = {}
+        image_inputs, counts = {}, []
         if images:
             image_processor = self.image_processor
             image_inputs = dict(image_processor(images, **image_kwargs))
             merge = image_kwargs.get("merge_size") or getattr(image_processor, "merge_size", DEFAULT_MERGE_SIZE)
             counts = [int(np.prod(g)) // merge**2 for g in np.asarray(image_inputs["image_grid_thw"])]
-            texts = self._expand(texts, counts) if texts is not None else None
+
+        video_inputs, blocks, video_token_count, settled = {}, [], 0, []
+        if videos:
+            video_inputs, settled = self.video_processor.run_batched(videos, video_metadata, **video_kwargs)
+            blocks, video_token_count = self._video_blocks(video_inputs["video_grid_thw"], settled, video_kwargs)
 
         data = {}
         if texts is not None:
+            texts = self._expand(texts, counts, blocks)
             if padding_side is not None:
                 tokenizer_kwargs["padding_side"] = padding_side
             tokenizer_kwargs.setdefault("return_token_type_ids", False)
-            encoded = self.tokenizer(texts, padding=padding, add_special_tokens=add_special_tokens, **tokenizer_kwargs)
+            encode = getattr(self.tokenizer, "_compass_encode_expanded", self.tokenizer)
+            encoded = encode(texts, padding=padding, add_special_tokens=add_special_tokens, **tokenizer_kwargs)
             data.update(encoded)
             type_ids = [self._token_types(row) for row in encoded["input_ids"]]
-            if images:
-                found = sum(int(np.sum(np.asarray(r) == 1)) for r in type_ids)
-                if found != sum(counts):
+            for kind, code, expected in (("image", 1, sum(counts)), ("video", 2, video_token_count)):
+                found = sum(int(np.sum(np.asarray(r) == code)) for r in type_ids)
+                if found != expected:
                     raise ValueError(
-                        f"tokenized text holds {found} image tokens, expected {sum(counts)} (was it truncated?)"
+                        f"tokenized text holds {found} {kind} tokens, expected {expected} (was it truncated?)"
                     )
             if return_mm_token_type_ids:
                 data["mm_token_type_ids"] = type_ids
         data.update(image_inputs)
-        return batch_feature(data, return_tensors)
+        data.update(video_inputs)
+        out = batch_feature(data, return_tensors)
+        if return_metadata and videos:
+            out["video_metadata"] = [s._asdict() for s in settled]
+        return out
 
-    def _expand(self, texts: List[str], counts: List[int]) -> List[str]:
-        """Each placeholder, in order across the batch, becomes its image's token count."""
-        remaining = iter(counts)
-        expanded = []
-        for t in texts:
-            pieces = t.split(self.image_token)
-            out = [pieces[0]]
-            for piece in pieces[1:]:
-                out.append(self.image_token * next(remaining))
-                out.append(piece)
-            expanded.append("".join(out))
-        return expanded
+    def _video_blocks(self, grids, settled, video_kwargs) -> tuple:
+        """Each video's replacement text and the number of video tokens in all of them."""
+        vp = self.video_processor
+        merge = video_kwargs.get("merge_size") or vp.merge_size
+        temporal = video_kwargs.get("temporal_patch_size") or vp.temporal_patch_size
+        blocks, total = [], 0
+        for grid, sampled in zip(np.asarray(grids), settled):
+            per_patch = int(grid[1] * grid[2]) // merge**2
+            rate = sampled.fps
+            if rate is None:
+                warn_video_settings(NO_FPS_TIMESTAMP_WARNING)
+                rate = 24
+            seconds = timestamps(sampled.frames_indices, rate, temporal)
+            block = self.vision_start_token + self.video_token * per_patch + self.vision_end_token
+            blocks.append("".join(f"<{t:.1f} seconds>" + block for t in seconds[: int(grid[0])]))
+            total += per_patch * int(grid[0])
+        return blocks, total
+
+    def _expand(self, texts: List[str], counts: List[int], blocks: Sequence[str] = ()) -> List[str]:
+        """Each placeholder, in order across the batch, becomes its image's tokens or its video's blocks."""
+        images, videos = iter(counts), iter(blocks)
+        pattern = re.compile(re.escape(self.image_token) + "|" + re.escape(self.video_token))
+
+        def replace(match):
+            if match.group(0) == self.image_token:
+                return self.image_token * next(images)
+            return next(videos)
+
+        return [pattern.sub(replace, t) for t in texts]
 
     def _token_types(self, ids) -> List[int]:
         ids = np.asarray(ids)
@@ -436,27 +608,47 @@ class CohereCompassProcessor:
 
     def apply_chat_template(self, conversation, chat_template=None, tokenize: bool = False, **kwargs):
         """Render with this processor's template through the tokenizer. With ``tokenize=True``
-        the text goes through this processor, with the images found in the messages.
-        A video part (or the video token in the text) raises :class:`VideoNotSupportedError`."""
+        the text goes through this processor, with the images and videos found in the messages
+        (a video part's ``video`` / ``url`` / ``path``: decoded frames; paths are not decoded
+        here) and the processor keywords in ``kwargs`` (``video_metadata``, ``fps``, ...)."""
         template = chat_template if chat_template is not None else self.chat_template
         batch = bool(conversation) and not isinstance(conversation[0], dict)
-        for i, j, part in (p for c in (conversation if batch else [conversation]) for p in _user_parts(c)):
-            if not _is_image_part(part) and _is_video_part(part):
-                raise video_refusal(f"message {i} has a video part (content[{j}])")
+        call_keys = {
+            "video_metadata",
+            "fps",
+            "num_frames",
+            "do_sample_frames",
+            "return_metadata",
+            *VIDEO_PROCESSOR_KEYS,
+            *IMAGE_PROCESSOR_KEYS,
+        }
+        processor_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in call_keys}
         if not tokenize:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-            refuse_video_text(text)  # e.g. the token typed into a text part
-            return text
+            return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
         if batch:
             raise ValueError("tokenize=True takes one conversation (a list of messages), not a batch")
         return_dict = kwargs.pop("return_dict", False)
         return_tensors = kwargs.pop("return_tensors", None)
         text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-        # The parts the template renders as an image: user messages only, as it decides.
-        images = [_image_source(part) for _, _, part in _user_parts(conversation) if _is_image_part(part)]
-        if None in images:
+        # The parts the template renders as an image or a video: user messages only, as it decides.
+        parts = [part for _, _, part in _user_parts(conversation)]
+        images = [_image_source(part) for part in parts if _is_image_part(part)]
+        if any(image is None for image in images):
             raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
-        out = self(text=text, images=images or None, add_special_tokens=False, return_tensors=return_tensors)
+        videos = [_video_source(part) for part in parts if not _is_image_part(part) and _is_video_part(part)]
+        if any(v is None for v in videos):
+            raise FrameContainerError(
+                "a video part carries no frames; put them in its 'video' key, or render with tokenize=False and "
+                "call the processor with videos=[...]"
+            )
+        out = self(
+            text=text,
+            images=images or None,
+            videos=videos or None,
+            add_special_tokens=False,
+            return_tensors=return_tensors,
+            **processor_kwargs,
+        )
         return out if return_dict else out["input_ids"]
 
     # compass-compat: ids past the tokenizer (the published checkpoint has 255035 tokenizer
@@ -486,13 +678,23 @@ class CohereCompassProcessor:
         )
 
 
-# The image-processing names are re-exported: hosts, compass_compat and the tests import them from here.
+# The image- and video-processing names are re-exported: hosts, compass_compat and the tests import them from here.
 __all__ = [
     "GRID_MEMO",
     "CohereCompassImageProcessor",
     "CohereCompassProcessor",
+    "CohereCompassVideoProcessor",
+    "EmptyVideoError",
+    "FrameContainerError",
+    "FrameDtypeError",
+    "FrameSizeError",
     "PixelBounds",
+    "TooFewFramesError",
+    "VideoCountMismatchError",
+    "VideoInputError",
+    "VideoMetadataError",
     "VideoNotSupportedError",
+    "VideoSettingsWarning",
     "convert_and_resize",
     "flatten_images",
     "image_processor_settings",

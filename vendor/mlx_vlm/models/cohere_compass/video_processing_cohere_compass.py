@@ -1,0 +1,903 @@
+"""Torch-free video processor for cohere_compass (North-Micro-Vision).
+
+Behaviour follows transformers' ``CohereCompassVideoProcessor`` (5.24), which needs torch and
+torchvision; here numpy alone does the work, and the outputs equal the reference's on the
+recorded fixtures (tests/test_video_processor.py). What the reference does, as measured:
+
+- Settings: processor_config.json's ``video_processor`` block if that key exists, else
+  video_preprocessor_config.json, else preprocessor_config.json (the published checkpoint has
+  only this one: 65536 / 16777216 pixels); keys the winning file lacks take the class defaults
+  (size 131072 / 786432). Only ``size`` bounds video: ``min_pixels`` / ``max_pixels`` keys in
+  any file, tokenizer_config.json's included, do not. tokenizer_config.json keys that are
+  video settings (``size``, ``fps``, ...) act as call defaults, as transformers merges them.
+- Frames: sampled from the clip's metadata (``do_sample_frames``, default on): ``num_frames``
+  or ``fps`` (default 2) frames per second of the source, clamped to [min_frames 4,
+  max_frames 768] and the clip length, at ``linspace(0, total - 1, n).round()``. Without an
+  fps in the metadata it assumes 24 fps and warns. Padded to whole temporal patches by
+  repeating the last frame (5 frames -> t = 3).
+- Size: ``smart_resize`` over t*h*w within ``size``; with ``cap_pixels_per_frame`` each frame
+  is held to ``min(max_video_tokens * 32**2, longest_edge // t)`` pixels, floored at
+  ``1.05 * shortest_edge``. Unset, it warns and stays uncapped. Frames are resized as uint8
+  with torchvision's bicubic antialias kernel, whose integer arithmetic :func:`resize_frames`
+  reproduces (bit-exact on the fixtures).
+- Values: (x - mean * 255) / (std * 255) in float32 (transformers' fused rescale and
+  normalize), patches in merge-window order -> ``pixel_values_videos`` [N, 3*2*16*16] and
+  ``video_grid_thw`` [videos, 3].
+
+compass-compat departures (the reference fails or ignores the input there):
+
+- Frames must be uint8 RGB: a (T, H, W, 3) or (T, 3, H, W) array (mlx-vlm's ``load_video``
+  gives the latter) or a list of RGB PIL images / (H, W, 3) arrays. Anything else raises a
+  :class:`VideoInputError` subclass saying what to pass; the reference guesses float scales
+  and fails on grey or RGBA PIL frames.
+- Pre-sampled frames (metadata whose ``frames_indices`` has one entry per frame while
+  ``total_num_frames`` counts the source) are not sampled again: their timestamps are
+  ``frames_indices / fps``, what the reference computes when it samples the clip itself (it
+  would index the source positions into the short array and fail). mlx-vlm 0.7.x decodes
+  files itself and passes exactly that (``sample_frames_in_loader``).
+- ``fps`` given as a list (one value per video; mlx-vlm passes ``fps=[sampled fps]``) is the
+  rate of the frames passed: they are not sampled again, and without metadata frame ``i`` is
+  at ``i / fps``. A single number keeps transformers' meaning (the sampling rate).
+- ``min_frames`` / ``max_frames`` / ``max_video_tokens`` passed to a call or to
+  :meth:`CohereCompassVideoProcessor.sample_frames` apply; the reference reads them from the
+  instance only and ignores them there silently.
+- ``num_frames`` alone samples that many frames; the reference counts its default ``fps`` as
+  given too and raises "mutually exclusive" unless ``fps=None`` is passed as well.
+- A 1-frame video (after sampling) raises :class:`TooFewFramesError` (the reference raises a
+  bare ValueError from its resize).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import numbers
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+__all__ = [
+    "CohereCompassVideoProcessor",
+    "EmptyVideoError",
+    "FrameContainerError",
+    "FrameDtypeError",
+    "FrameSizeError",
+    "SampledVideo",
+    "TooFewFramesError",
+    "VIDEO_PROCESSOR_KEYS",
+    "VideoCountMismatchError",
+    "VideoInputError",
+    "VideoMetadataError",
+    "VideoSettingsWarning",
+    "resize_frames",
+    "smart_resize_video",
+    "timestamps",
+    "video_processor_settings",
+]
+
+# transformers' CohereCompassVideoProcessor class defaults (used for keys the settings file lacks).
+DEFAULT_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+DEFAULT_FALLBACK_FPS = 24  # the reference's assumption when metadata carries no fps
+MAX_ASPECT_RATIO = 200
+BICUBIC = 3  # PIL's id, as the settings files store it
+
+VIDEO_PROCESSOR_KEYS = (
+    "size",
+    "resample",
+    "do_resize",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "min_frames",
+    "max_frames",
+    "do_sample_frames",
+    "fps",
+    "num_frames",
+    "cap_pixels_per_frame",
+    "max_video_tokens",
+    "return_metadata",
+)
+"""Settings the video processor takes (from its settings file, ``from_pretrained`` or a call)."""
+
+# transformers reads these from the instance only; a call-time value is dropped (measured), so
+# tokenizer_config.json's copies never apply. compass-compat applies explicit call values.
+INSTANCE_ONLY_KEYS = ("min_frames", "max_frames", "max_video_tokens")
+
+
+# ---------------------------------------------------------------- errors and warnings
+
+
+class VideoInputError(ValueError):
+    """A video input the processor cannot use; the message says what to pass instead."""
+
+
+class VideoCountMismatchError(VideoInputError):
+    """The prompt's ``<|VIDEO_PAD|>`` tokens and the videos passed do not pair up."""
+
+
+class EmptyVideoError(VideoInputError):
+    """A video with no frames."""
+
+
+class TooFewFramesError(VideoInputError):
+    """Fewer frames than one temporal patch (2) after sampling."""
+
+
+class FrameSizeError(VideoInputError):
+    """Frames of one video with different sizes (or channel counts)."""
+
+
+class FrameDtypeError(VideoInputError):
+    """Frames that are not uint8."""
+
+
+class FrameContainerError(VideoInputError):
+    """A video passed in a form the processor does not read (a path, a URL, an odd array)."""
+
+
+class VideoMetadataError(VideoInputError):
+    """Video metadata that does not describe the frames passed."""
+
+
+class VideoSettingsWarning(UserWarning):
+    """The reference's warnings: no fps in the metadata, no per-frame pixel cap chosen."""
+
+
+NO_FPS_SAMPLING_WARNING = (
+    "Asked to sample `fps` frames per second but no video metadata was provided which is required when sampling "
+    "with `fps`. Defaulting to `fps=24`. Please provide `video_metadata` for more accurate results."
+)
+NO_FPS_TIMESTAMP_WARNING = (
+    "CohereCompass requires frame timestamps to construct prompts, but the `fps` of the input video could not be "
+    "inferred. Probably `video_metadata` was missing from inputs and you passed pre-sampled frames. Defaulting to "
+    "`fps=24`. Please provide `video_metadata` for more accurate results."
+)
+UNCAPPED_WARNING = (
+    "CohereCompass video processing does not apply the per-frame pixel cap the reference implementation "
+    "(qwen-vl-utils) applies, so some videos cost far more tokens than they would there. Pass "
+    "`cap_pixels_per_frame=True` to adopt the capped behavior, or `False` to keep the uncapped behavior and "
+    "silence this warning."
+)
+
+
+def warn_video_settings(message: str) -> None:
+    # Python's default filter shows each warning once per call site, like transformers' warning_once.
+    warnings.warn(message, VideoSettingsWarning, stacklevel=2)
+
+
+# ---------------------------------------------------------------- settings files
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
+    """(settings dict, its file name) as transformers 5.24 picks them for the video processor:
+    processor_config.json's ``video_processor`` block, else video_preprocessor_config.json, else
+    preprocessor_config.json (which the published checkpoint has; its image bounds apply)."""
+    folder = Path(folder)
+    processor_config = _read_json(folder / "processor_config.json")
+    if isinstance(processor_config, dict) and "video_processor" in processor_config:
+        return dict(processor_config["video_processor"]), "processor_config.json video_processor"
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        config = _read_json(folder / name)
+        if config is not None:
+            return dict(config), name
+    return {}, None
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def smart_resize_video(
+    num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> Tuple[int, int]:
+    """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels.
+
+    The reference's rule, Python rounding included (``round`` is half-to-even).
+    """
+    if num_frames < temporal_factor:
+        raise TooFewFramesError(
+            f"a video needs at least {temporal_factor} frames (one temporal patch) after sampling, got {num_frames}; "
+            "pass more frames, or send a single frame as an image"
+        )
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise FrameSizeError(
+            f"video frames of {width}x{height} pixels have aspect ratio {ratio:.1f}; cohere_compass accepts at most "
+            f"{MAX_ASPECT_RATIO}. Crop or pad the frames first."
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# ---------------------------------------------------------------- resize (torchvision's uint8 bicubic)
+#
+# transformers resizes the uint8 frames with torchvision (bicubic, antialias=True), which on the
+# CPU runs torch's uint8 kernel: Keys' cubic (a = -0.5) stretched by the scale when shrinking,
+# weights normalised per output pixel in float64, then rounded to int16 at the largest precision
+# that keeps the biggest weight under 2**15; a horizontal pass, clipped to uint8, then a vertical
+# pass: out = clip((sum(w * x) + 2**(p-1)) >> p, 0, 255). The integer sums are computed here as
+# float64 matrix products, exact because every partial sum stays far below 2**53.
+
+_BLOCK = 16  # output pixels per matrix product: the band of inputs they read stays small
+
+
+def _cubic(x: float) -> float:
+    a = -0.5
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2.0:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+class _AxisWeights(NamedTuple):
+    bands: Tuple[Tuple[int, int, int, int, np.ndarray], ...]  # (out start, out stop, in start, in stop, weights)
+    precision: int
+
+
+@functools.lru_cache(maxsize=64)
+def _axis_weights(n_in: int, n_out: int) -> _AxisWeights:
+    """Integer weights of one axis, as banded blocks of an (n_in, n_out) matrix."""
+    scale = n_in / n_out
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    rows: List[Tuple[int, List[float]]] = []
+    w_max = 0.0
+    for i in range(n_out):
+        center = scale * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        size = min(int(center + support + 0.5), n_in) - lo
+        w = [_cubic((j + lo - center + 0.5) * invscale) for j in range(size)]
+        total = 0.0
+        for v in w:
+            total += v
+        if total != 0.0:
+            w = [v / total for v in w]
+        w_max = max([w_max, *w])
+        rows.append((lo, w))
+    precision = 0
+    while precision < 22 and int(0.5 + w_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    unit = 1 << precision
+    matrix = np.zeros((n_in, n_out))
+    for i, (lo, w) in enumerate(rows):
+        matrix[lo : lo + len(w), i] = [int(-0.5 + v * unit) if v < 0 else int(0.5 + v * unit) for v in w]
+    bands = []
+    for a in range(0, n_out, _BLOCK):
+        b = min(a + _BLOCK, n_out)
+        used = np.nonzero(matrix[:, a:b].any(axis=1))[0]
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 1)
+        bands.append((a, b, lo, hi, np.ascontiguousarray(matrix[lo:hi, a:b])))
+    return _AxisWeights(tuple(bands), precision)
+
+
+def _round_shift(sums: np.ndarray, precision: int) -> np.ndarray:
+    """(sums + 2**(p-1)) >> p, clipped to uint8's range, in place (exact: powers of two)."""
+    sums += 1 << (precision - 1)
+    sums *= 1.0 / (1 << precision)
+    np.floor(sums, out=sums)
+    return np.clip(sums, 0, 255, out=sums)
+
+
+def _resize_last_axis(rows: np.ndarray, n_out: int) -> np.ndarray:
+    """float64 (R, n_in) of uint8 values -> (R, n_out) uint8 values (as float64): the horizontal pass."""
+    weights = _axis_weights(rows.shape[1], n_out)
+    out = np.empty((rows.shape[0], n_out))
+    for a, b, lo, hi, block in weights.bands:
+        np.matmul(rows[:, lo:hi], block, out=out[:, a:b])
+    return _round_shift(out, weights.precision)
+
+
+def _resize_rows(frames: np.ndarray, n_out: int) -> np.ndarray:
+    """float64 (..., n_in, W) -> (..., n_out, W): the vertical pass, one product per band."""
+    weights = _axis_weights(frames.shape[-2], n_out)
+    out = np.empty(frames.shape[:-2] + (n_out, frames.shape[-1]))
+    for a, b, lo, hi, block in weights.bands:
+        np.matmul(block.T, frames[..., lo:hi, :], out=out[..., a:b, :])
+    return _round_shift(out, weights.precision)
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(T, C, H, W) uint8 -> (T, C, height, width) uint8, as torchvision's CPU bicubic
+    antialiased resize of uint8 tensors computes it (horizontal pass first)."""
+    count, channels, in_h, in_w = frames.shape
+    if (in_h, in_w) == (height, width):
+        return frames
+    out = np.empty((count, channels, height, width), dtype=np.uint8)
+    # A few frames at a time: float64 copies of whole clips would not fit in memory.
+    step = max(1, (1 << 23) // max(1, channels * in_h * in_w))
+    for start in range(0, count, step):
+        x = frames[start : start + step].astype(np.float64)
+        n = x.shape[0]
+        if in_w != width:
+            x = _resize_last_axis(x.reshape(n * channels * in_h, in_w), width).reshape(n, channels, in_h, width)
+        if in_h != height:
+            x = _resize_rows(x, height)
+        out[start : start + n] = x
+    return out
+
+
+# ---------------------------------------------------------------- frames and metadata
+
+
+class _Frames:
+    """One video's frames, validated without copying; :meth:`take` returns (T, 3, H, W) uint8."""
+
+    def __init__(self, video: Any, position: int):
+        self.position = position
+        self._array: Optional[np.ndarray] = None
+        self._list: Optional[list] = None
+        self._channels_first = False
+        if isinstance(video, (str, bytes, Path)):
+            raise FrameContainerError(
+                f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
+                "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
+            )
+        if isinstance(video, Image.Image) or (hasattr(video, "shape") and len(video.shape) == 3):
+            video = [video]  # one frame
+        if isinstance(video, (list, tuple)):
+            self._read_list(list(video))
+        else:
+            array = video if isinstance(video, np.ndarray) else _as_array(video, position)
+            self._read_array(array)
+
+    def _read_array(self, array: np.ndarray) -> None:
+        if array.ndim != 4:
+            raise FrameContainerError(
+                f"video {self.position} is an array of shape {array.shape}; pass (frames, height, width, 3) or "
+                "(frames, 3, height, width) uint8, or a list of RGB PIL images"
+            )
+        _check_dtype(array.dtype, self.position)
+        if array.shape[0] == 0:
+            raise EmptyVideoError(f"video {self.position} has no frames; pass at least 2")
+        # The reference's rule: channels first when axis 1 could be channels.
+        if array.shape[1] == 3:
+            self._channels_first = True
+        elif array.shape[-1] != 3:
+            raise FrameContainerError(
+                f"video {self.position} has frames of shape {array.shape[1:]}: neither axis 1 nor the last axis has "
+                "3 (RGB) channels; convert the frames to RGB"
+            )
+        self._array = array
+
+    def _read_list(self, frames: list) -> None:
+        if not frames:
+            raise EmptyVideoError(f"video {self.position} has no frames; pass at least 2")
+        first = frames[0]
+        if isinstance(first, Image.Image):
+            for i, frame in enumerate(frames):
+                if not isinstance(frame, Image.Image):
+                    raise FrameContainerError(
+                        f"video {self.position}: frame {i} is a {type(frame).__name__} among PIL images; "
+                        "pass one kind of frame"
+                    )
+                if frame.mode != "RGB":
+                    raise FrameContainerError(
+                        f"video {self.position}: frame {i} is a PIL image in mode {frame.mode!r}; convert the frames "
+                        "with frame.convert('RGB') first"
+                    )
+                if frame.size != first.size:
+                    raise FrameSizeError(
+                        f"video {self.position}: frame {i} is {frame.size[0]}x{frame.size[1]} but frame 0 is "
+                        f"{first.size[0]}x{first.size[1]}; every frame of a video must have the same size"
+                    )
+            self._list = frames
+            return
+        arrays = []
+        for i, frame in enumerate(frames):
+            if isinstance(frame, Image.Image):
+                raise FrameContainerError(
+                    f"video {self.position}: frame {i} is a PIL image among arrays; pass one kind of frame"
+                )
+            array = frame if isinstance(frame, np.ndarray) else _as_array(frame, self.position)
+            if array.ndim != 3:
+                raise FrameContainerError(
+                    f"video {self.position}: frame {i} has shape {array.shape}; pass (height, width, 3) uint8 frames"
+                )
+            _check_dtype(array.dtype, self.position)
+            if array.shape != np.shape(arrays[0] if arrays else array):
+                raise FrameSizeError(
+                    f"video {self.position}: frame {i} has shape {array.shape} but frame 0 has {arrays[0].shape}; "
+                    "every frame of a video must have the same size"
+                )
+            arrays.append(array)
+        if arrays[0].shape[0] == 3 and arrays[0].shape[-1] != 3:
+            self._channels_first = True
+        elif arrays[0].shape[-1] != 3:
+            raise FrameContainerError(
+                f"video {self.position} has frames of shape {arrays[0].shape}; pass RGB (height, width, 3) frames"
+            )
+        self._list = arrays
+
+    def __len__(self) -> int:
+        return len(self._array) if self._array is not None else len(self._list)
+
+    def size(self) -> Tuple[int, int]:
+        if self._array is not None:
+            shape = self._array.shape
+            return (shape[2], shape[3]) if self._channels_first else (shape[1], shape[2])
+        first = self._list[0]
+        if isinstance(first, Image.Image):
+            return first.size[1], first.size[0]
+        return first.shape[1:] if self._channels_first else first.shape[:2]
+
+    def take(self, indices: Sequence[int]) -> np.ndarray:
+        """The frames at ``indices`` (repeats allowed) as a (T, 3, H, W) uint8 array."""
+        if self._array is not None:
+            frames = self._array[np.asarray(indices, dtype=np.intp)]
+        else:
+            frames = np.stack([np.asarray(self._list[i]) for i in indices])
+        if not self._channels_first:
+            frames = frames.transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(frames)
+
+
+def _as_array(value: Any, position: int) -> np.ndarray:
+    if not hasattr(value, "__array__") and not hasattr(value, "shape"):
+        raise FrameContainerError(
+            f"video {position} is a {type(value).__name__}; pass a uint8 array (frames, height, width, 3) or "
+            "(frames, 3, height, width), or a list of RGB PIL images"
+        )
+    try:
+        return np.asarray(value)
+    except Exception as err:  # e.g. an accelerator tensor numpy cannot read
+        raise FrameContainerError(
+            f"video {position} ({type(value).__name__}) cannot be read as a numpy array: {err}; pass numpy frames"
+        ) from err
+
+
+def _check_dtype(dtype, position: int) -> None:
+    if dtype != np.uint8:
+        raise FrameDtypeError(
+            f"video {position} has frames of dtype {dtype}; pass uint8 frames (values 0-255), e.g. "
+            "np.clip(frames * 255, 0, 255).astype(np.uint8) for floats in [0, 1]"
+        )
+
+
+def _field(metadata: Any, name: str):
+    if isinstance(metadata, dict):
+        return metadata.get(name)
+    return getattr(metadata, name, None)
+
+
+class SampledVideo(NamedTuple):
+    """What sampling settled for one video."""
+
+    positions: List[int]  # which of the frames passed are used, in order (repeats allowed)
+    frames_indices: List[int]  # their positions in the source clip: timestamps are frames_indices / fps
+    fps: Optional[float]  # the source's frame rate; None: unknown (timestamps assume 24 and warn)
+    total_num_frames: int  # frames in the source clip
+
+
+def timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_size: int = 2) -> List[float]:
+    """Seconds of each temporal patch: the mean time of its first and last frame (indices
+    padded by repeating the last, as the frames are), ``index / fps`` each."""
+    indices = [int(i) for i in frames_indices]
+    if len(indices) % temporal_patch_size:
+        indices.extend(indices[-1] for _ in range(temporal_patch_size - len(indices) % temporal_patch_size))
+    seconds = [i / fps for i in indices]
+    return [
+        (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)
+    ]
+
+
+# ---------------------------------------------------------------- the processor
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"cohere_compass video processor: `{name}` must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _per_channel(name: str, value) -> List[float]:
+    values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+    if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+        raise ValueError(f"cohere_compass video processor: `{name}` must be 3 finite numbers, got {value!r}")
+    return [float(v) for v in values]
+
+
+def _rate(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
+        error = VideoMetadataError if name.startswith("metadata") else ValueError
+        raise error(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
+    return value
+
+
+class CohereCompassVideoProcessor:
+    """Frames -> ``pixel_values_videos`` [N, 3*2*16*16] and ``video_grid_thw`` [videos, 3].
+
+    Settings are the reference's (``VIDEO_PROCESSOR_KEYS``); a call may override any of them.
+    ``sample_frames_in_loader`` tells mlx-vlm 0.7.x to choose frames with :meth:`sample_frames`
+    while decoding a file and pass them with their metadata.
+    """
+
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+    sample_frames_in_loader = True
+
+    def __init__(
+        self,
+        size: Optional[Dict[str, int]] = None,
+        resample: int = BICUBIC,
+        do_resize: bool = True,
+        do_rescale: bool = True,
+        rescale_factor: float = 1 / 255,
+        do_normalize: bool = True,
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+        do_convert_rgb: bool = True,
+        patch_size: int = 16,
+        temporal_patch_size: int = 2,
+        merge_size: int = 2,
+        min_frames: int = 4,
+        max_frames: int = 768,
+        do_sample_frames: bool = True,
+        fps: Optional[float] = 2,
+        num_frames: Optional[int] = None,
+        cap_pixels_per_frame: Optional[bool] = None,
+        max_video_tokens: int = 768,
+        return_metadata: bool = False,
+        **kwargs,
+    ):
+        # Settings files carry other keys (class names, image-only keys): ignored, as the reference does.
+        size = {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})} if size is not None else DEFAULT_SIZE
+        if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
+            raise ValueError(f"cohere_compass video processor: `size` needs shortest_edge and longest_edge, got {size}")
+        self.size = {
+            "shortest_edge": _positive_int("size.shortest_edge", size["shortest_edge"]),
+            "longest_edge": _positive_int("size.longest_edge", size["longest_edge"]),
+        }
+        if self.size["shortest_edge"] > self.size["longest_edge"]:
+            raise ValueError(f"cohere_compass video processor: size.shortest_edge exceeds size.longest_edge: {size}")
+        if int(resample) != BICUBIC:
+            raise ValueError(
+                f"cohere_compass video processor: only bicubic resampling (3) is implemented, got {resample!r}"
+            )
+        self.resample = BICUBIC
+        self.do_resize = bool(do_resize)
+        self.do_rescale = bool(do_rescale)
+        if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
+            raise ValueError(f"cohere_compass video processor: `rescale_factor` must be positive, got {rescale_factor}")
+        self.rescale_factor = float(rescale_factor)
+        self.do_normalize = bool(do_normalize)
+        self.image_mean = _per_channel("image_mean", image_mean)
+        self.image_std = _per_channel("image_std", image_std)
+        if 0.0 in self.image_std:
+            raise ValueError(f"cohere_compass video processor: `image_std` has a zero: {self.image_std}")
+        self.do_convert_rgb = bool(do_convert_rgb)
+        self.patch_size = _positive_int("patch_size", patch_size)
+        self.temporal_patch_size = _positive_int("temporal_patch_size", temporal_patch_size)
+        self.merge_size = _positive_int("merge_size", kwargs.pop("spatial_merge_size", merge_size))
+        self.min_frames = _positive_int("min_frames", min_frames)
+        self.max_frames = _positive_int("max_frames", max_frames)
+        self.do_sample_frames = bool(do_sample_frames)
+        self.fps = _rate("fps", fps)
+        self.num_frames = None if num_frames is None else _positive_int("num_frames", num_frames)
+        self.cap_pixels_per_frame = None if cap_pixels_per_frame is None else bool(cap_pixels_per_frame)
+        self.max_video_tokens = _positive_int("max_video_tokens", max_video_tokens)
+        self.return_metadata = bool(return_metadata)
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_dict(cls, settings: Dict[str, Any], **kwargs) -> "CohereCompassVideoProcessor":
+        """From a settings dict; ``kwargs`` that are settings override it (as transformers' from_dict)."""
+        merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
+        return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "CohereCompassVideoProcessor":
+        """From a local checkpoint folder, the settings file chosen as transformers 5.24 does."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_file():
+            settings = _read_json(path) or {}
+        elif path.is_dir():
+            settings, _ = video_processor_settings(path)
+        else:
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        return cls.from_dict(settings, **kwargs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {k: getattr(self, k) for k in VIDEO_PROCESSOR_KEYS}
+        out["size"] = dict(self.size)
+        out["video_processor_type"] = "CohereCompassVideoProcessor"
+        return out
+
+    def save_pretrained(self, save_directory) -> List[str]:
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        target = path / "video_preprocessor_config.json"
+        target.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return [str(target)]
+
+    def with_settings(self, overrides: Dict[str, Any]) -> "CohereCompassVideoProcessor":
+        """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(overrides) - set(VIDEO_PROCESSOR_KEYS)
+        if unknown:
+            raise TypeError(f"unexpected video processor argument(s): {sorted(unknown)}")
+        if not overrides:
+            return self
+        settings = self.to_dict()
+        settings.pop("video_processor_type")
+        if "size" in overrides:
+            settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
+        return type(self)(**{**settings, **overrides})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
+
+    # ------------------------------------------------------------ sampling
+
+    def sample_frames(
+        self, metadata: Any, num_frames: Optional[int] = None, fps: Optional[float] = None, **kwargs
+    ) -> np.ndarray:
+        """Indices of the frames the reference samples from a clip described by ``metadata``
+        (``total_num_frames`` and ``fps``; a dict, transformers' or mlx-vlm's ``VideoMetadata``).
+
+        ``num_frames`` and ``fps`` are mutually exclusive; with neither, ``self.num_frames`` or
+        ``self.fps`` (2). ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's
+        (mlx-vlm 0.7.x passes ``max_frames``); other kwargs are ignored, as in the reference.
+        """
+        indices, _ = self._sample(metadata, num_frames, fps, kwargs.get("min_frames"), kwargs.get("max_frames"))
+        return indices
+
+    def _sample(
+        self, metadata, num_frames, fps, min_frames=None, max_frames=None
+    ) -> Tuple[np.ndarray, Optional[float]]:
+        """(indices, the source fps the timestamps use: the metadata's, 24 if it had none and fps
+        sampling assumed it, None if unknown)."""
+        if fps is not None and num_frames is not None:
+            raise ValueError("`num_frames` and `fps` are mutually exclusive arguments, please use only one!")
+        total = _field(metadata, "total_num_frames")
+        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
+            raise VideoMetadataError(f"video metadata needs total_num_frames, a positive integer; got {total!r}")
+        total = int(total)
+        source_fps = _rate("metadata fps", _field(metadata, "fps"))
+        min_frames = self.min_frames if min_frames is None else _positive_int("min_frames", min_frames)
+        max_frames = self.max_frames if max_frames is None else _positive_int("max_frames", max_frames)
+        if num_frames is None and fps is None:
+            num_frames, fps = (self.num_frames, None) if self.num_frames is not None else (None, self.fps)
+        if num_frames is None and fps is not None:
+            fps = _rate("fps", fps)
+            if source_fps is None:
+                warn_video_settings(NO_FPS_SAMPLING_WARNING)
+                source_fps = DEFAULT_FALLBACK_FPS
+            count = int(total / source_fps * fps)
+            count = min(max(count, min_frames), max_frames, total)
+        elif num_frames is None:
+            count = min(max(total, min_frames), max_frames)
+        else:
+            count = _positive_int("num_frames", num_frames)
+        return np.linspace(0, total - 1, count).round().astype(int), source_fps
+
+    def _settle(self, video: "_Frames", metadata: Any, do_sample_frames: bool, fps, num_frames, limits) -> SampledVideo:
+        """Which of ``video``'s frames to use, and where they sit in the source clip."""
+        count = len(video)
+        passed = list(range(count))
+        if isinstance(fps, (list, tuple)) and metadata is None:
+            # mlx-vlm 0.6.x: frames it sampled itself, at this rate; never sampled again.
+            return SampledVideo(passed, passed, _rate("fps", fps[video.position]), count)
+        if metadata is None:
+            metadata = {"total_num_frames": count}
+        total = _field(metadata, "total_num_frames")
+        given = _field(metadata, "frames_indices")
+        source_fps = _rate("metadata fps", _field(metadata, "fps"))
+        if given is not None and len(given) == count and total != count:
+            # Pre-sampled (mlx-vlm 0.7.x's loader): the indices name source positions, not ours.
+            return SampledVideo(passed, [int(i) for i in given], source_fps, total)
+        if not do_sample_frames or isinstance(fps, (list, tuple)):
+            # Frames as passed; a per-video fps list (mlx-vlm) is their rate: never sampled again.
+            if given is None:
+                if total != count:
+                    raise VideoMetadataError(
+                        f"video {video.position}: the metadata says total_num_frames={total} but {count} frames were "
+                        "passed and it has no frames_indices; pass frames_indices (the source position of each "
+                        "frame) or all the frames"
+                    )
+                given = passed
+            if len(given) != count:
+                raise VideoMetadataError(
+                    f"video {video.position}: {count} frames were passed but the metadata's frames_indices has "
+                    f"{len(given)} entries; pass one index per frame"
+                )
+            return SampledVideo(passed, [int(i) for i in given], source_fps, total)
+        indices, source_fps = self._sample(metadata, num_frames, fps, *limits)
+        if indices.size and int(indices.max()) >= count:
+            raise VideoMetadataError(
+                f"video {video.position}: the metadata says total_num_frames={total} but {count} frames were passed; "
+                "pass all the frames of the clip, or the sampled frames with their frames_indices (and "
+                "total_num_frames of the source)"
+            )
+        indices = indices.tolist()
+        return SampledVideo(indices, indices, source_fps, int(total))
+
+    # ------------------------------------------------------------ sizes
+
+    def resized_shape(self, num_frames: int, height: int, width: int) -> Tuple[int, int]:
+        """(height, width) the frames of a ``num_frames``-frame video are resized to."""
+        factor = self.patch_size * self.merge_size
+        if not self.do_resize:
+            if num_frames < self.temporal_patch_size:
+                smart_resize_video(num_frames, height, width, self.temporal_patch_size, factor, 1, 1 << 62)
+            if height % factor or width % factor:
+                raise FrameSizeError(
+                    f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
+                )
+            return height, width
+        max_pixels = self.size["longest_edge"]
+        if self.cap_pixels_per_frame:
+            frame_cap = self.max_video_tokens * factor * factor
+            per_frame = max(min(frame_cap, max_pixels // num_frames), int(self.size["shortest_edge"] * 1.05))
+            max_pixels = per_frame * num_frames
+        return smart_resize_video(
+            num_frames, height, width, self.temporal_patch_size, factor, self.size["shortest_edge"], max_pixels
+        )
+
+    def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
+        """Patches (before the 2x2 merge) of a ``num_frames``-frame video of that size."""
+        vp = self.with_settings({k: v for k, v in (videos_kwargs or {}).items() if k in VIDEO_PROCESSOR_KEYS})
+        h, w = vp.resized_shape(num_frames, height, width)
+        grid_t = -(-num_frames // vp.temporal_patch_size)
+        return grid_t * (h // vp.patch_size) * (w // vp.patch_size)
+
+    # ------------------------------------------------------------ pixels
+
+    def _normalized(self, frames: np.ndarray) -> np.ndarray:
+        """uint8 (T, 3, H, W) -> float32, transformers' fused rescale + normalize, bit for bit."""
+        x = frames.astype(np.float32)
+        if self.do_rescale and self.do_normalize:
+            # torch: mean/std tensors (float32) times 1/rescale_factor, then (x - mean) / std in float32.
+            inverse = np.float32(1.0 / self.rescale_factor)
+            mean = (np.asarray(self.image_mean, np.float32) * inverse).astype(np.float32)
+            std = (np.asarray(self.image_std, np.float32) * inverse).astype(np.float32)
+        elif self.do_normalize:
+            mean, std = np.asarray(self.image_mean, np.float32), np.asarray(self.image_std, np.float32)
+        else:
+            return x * np.float32(self.rescale_factor) if self.do_rescale else x
+        return (x - mean[:, None, None]) / std[:, None, None]
+
+    def _patchify(self, pixels: np.ndarray) -> Tuple[np.ndarray, List[int]]:
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        count, channels, height, width = pixels.shape
+        if count % tp:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], tp - count % tp, axis=0)])
+            count = pixels.shape[0]
+        grid = [count // tp, height // p, width // p]
+        blocks = pixels.reshape(grid[0], tp, channels, grid[1] // m, m, p, grid[2] // m, m, p)
+        # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
+        blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return blocks.reshape(grid[0] * grid[1] * grid[2], channels * tp * p * p), grid
+
+    def _process_video(self, video: "_Frames", sampled: SampledVideo) -> Tuple[np.ndarray, List[int]]:
+        """(patches, grid) of one video's sampled frames."""
+        height, width = video.size()
+        target = self.resized_shape(len(sampled.positions), height, width)
+        frames = video.take(sampled.positions)
+        if self.do_resize:
+            frames = resize_frames(frames, *target)
+        return self._patchify(self._normalized(frames))
+
+    def preprocess(
+        self,
+        videos,
+        video_metadata=None,
+        return_tensors=None,
+        **overrides,
+    ):
+        """Process ``videos`` (one video or a list); returns a ``BatchFeature`` with
+        ``pixel_values_videos`` and ``video_grid_thw`` (and ``video_metadata`` if asked)."""
+        from transformers.feature_extraction_utils import BatchFeature
+
+        data, settled = self.run(videos, video_metadata, **overrides)
+        if overrides.get("return_metadata", self.return_metadata):
+            data["video_metadata"] = [s._asdict() for s in settled]
+        if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
+            return BatchFeature(data=data, tensor_type=return_tensors)
+        import mlx.core as mx
+
+        return BatchFeature(data={k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in data.items()})
+
+    __call__ = preprocess
+
+    def run(self, videos, video_metadata=None, **overrides) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
+        """({pixel_values_videos, video_grid_thw}, what sampling settled for each video)."""
+        return self.run_batched(batched_videos(videos), video_metadata, **overrides)
+
+    def run_batched(
+        self, items: list, video_metadata=None, **overrides
+    ) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
+        """:meth:`run` on a list of videos (:func:`batched_videos`)."""
+        fps = overrides.pop("fps", None)
+        num_frames = overrides.pop("num_frames", None)
+        do_sample = overrides.pop("do_sample_frames", None)
+        limits = (overrides.pop("min_frames", None), overrides.pop("max_frames", None))
+        overrides.pop("return_metadata", None)
+        vp = self.with_settings(overrides)
+        if vp.cap_pixels_per_frame is None:
+            warn_video_settings(UNCAPPED_WARNING)
+        do_sample = vp.do_sample_frames if do_sample is None else bool(do_sample)
+        if isinstance(fps, (list, tuple)) and len(fps) != len(items):
+            raise VideoMetadataError(f"{len(fps)} fps values were passed for {len(items)} videos; pass one per video")
+        metadata = batched_metadata(video_metadata, len(items))
+        rows, grids, settled = [], [], []
+        for position, (video, meta) in enumerate(zip(items, metadata)):
+            frames = _Frames(video, position)
+            sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
+            patches, grid = vp._process_video(frames, sampled)
+            rows.append(patches)
+            grids.append(grid)
+            settled.append(sampled)
+        data = {
+            "pixel_values_videos": np.concatenate(rows, axis=0).astype(np.float32, copy=False),
+            "video_grid_thw": np.asarray(grids, dtype=np.int64),
+        }
+        return data, settled
+
+
+def batched_videos(videos) -> list:
+    """A list of videos from one video or a list of them, as transformers reads them: a 4-D
+    array is a video, a 5-D one a batch, a list of PIL images or 3-D arrays one video of those
+    frames, and a single PIL image or 3-D array a video of one frame."""
+    if videos is None:
+        return []
+    if isinstance(videos, Image.Image):
+        return [[videos]]
+    if hasattr(videos, "shape") and not isinstance(videos, (list, tuple)):
+        ndim = len(videos.shape)
+        return list(videos) if ndim == 5 else [[videos]] if ndim == 3 else [videos]
+    if isinstance(videos, (list, tuple)):
+        if not videos:
+            return []
+        first = videos[0]
+        if isinstance(first, Image.Image) or (hasattr(first, "shape") and len(first.shape) == 3):
+            return [list(videos)]
+        return list(videos)
+    return [videos]
+
+
+def batched_metadata(video_metadata, count: int) -> list:
+    """One metadata entry (or None) per video; a single dict or object is for a single video."""
+    if video_metadata is None:
+        return [None] * count
+    if not isinstance(video_metadata, (list, tuple)):
+        video_metadata = [video_metadata]
+    if video_metadata and isinstance(video_metadata[0], (list, tuple)):  # nested per prompt
+        video_metadata = [m for group in video_metadata for m in group]
+    if len(video_metadata) != count:
+        raise VideoMetadataError(
+            f"{len(video_metadata)} video_metadata entries were passed for {count} videos; pass one per video"
+        )
+    return list(video_metadata)
