@@ -32,9 +32,8 @@ import record_video_reference as recorder  # scripts/ (inputs of the cases, neve
 from PIL import Image
 from vendored import by_path
 
-from compass_compat.clips import make_clip
-from compass_compat.tiny import build_tiny_checkpoint
-
+make_clip = recorder.clips.make_clip  # compass_compat.clips, imported without the patch
+build_tiny_checkpoint = recorder.tiny.build_tiny_checkpoint
 pc = by_path("processing_cohere_compass", "compass_video_under_test")
 vpc = by_path("video_processing_cohere_compass", "compass_video_under_test")
 
