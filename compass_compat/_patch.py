@@ -15,7 +15,13 @@ What :func:`apply_patch` does, all or nothing:
 4. wraps ``transformers.AutoProcessor.from_pretrained`` so a local checkpoint
    folder whose ``config.json`` says ``cohere_compass`` gets the vendored
    torch-free processor while the vendored package is the live one;
-5. only with ``mlx_lm`` (argument or ``COMPASS_COMPAT_MLX_LM=1``): appends
+5. while the vendored package is live, wraps ``mlx_vlm.utils.load_model`` (the folder is
+   checked first) and ``mlx_vlm.prompt_utils.MessageFormatter.format_message`` (a
+   cohere_compass user turn with videos gets its video parts: mlx-vlm formats video only
+   for the models it lists by name) and, where it takes no ``frame_sampler`` (0.6.x),
+   ``mlx_vlm.utils.load_video`` (its result unchanged, remembered so the processor reads the
+   reference's frames of that file);
+6. only with ``mlx_lm`` (argument or ``COMPASS_COMPAT_MLX_LM=1``): appends
    ``<vendor>/mlx_lm/models`` to the END of ``mlx_lm.models.__path__``, so
    ``mlx_lm.load`` runs the vendored text decoder on text prompts. Opt-in
    because hosts that hand a checkpoint to mlx-lm when it loads there would
@@ -447,6 +453,127 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
     undo.append(("restore mlx_vlm.utils.load_model", restore))
 
 
+_VIDEO_ITEM_TYPES = ("video", "video_url", "input_video")
+
+
+def _is_video_item(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") in _VIDEO_ITEM_TYPES
+
+
+def _install_video_prompt_hook(undo: List[_Undo]) -> None:
+    """Give cohere_compass user turns their video parts in mlx-vlm's chat formatting.
+
+    mlx-vlm's ``MessageFormatter.format_message`` formats ``video=`` only for the models it
+    lists by name, so for cohere_compass the video part is dropped from the prompt while the
+    frames still reach the processor (which then refuses the mismatch). Here a user turn that
+    carries videos (``video=`` for a text prompt, or video items among its content parts) is
+    formatted by mlx-vlm without them, then gets one ``{"type": "video"}`` part per video after
+    its image parts (the image-first layout), as the chat template renders them.
+    """
+    prompt_utils = importlib.import_module("mlx_vlm.prompt_utils")
+    formatter = getattr(prompt_utils, "MessageFormatter", None)
+    original = vars(formatter).get("format_message", _MISSING) if isinstance(formatter, type) else _MISSING
+    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
+        return  # a pin without the class formats no video for any model: nothing to extend
+
+    @functools.wraps(original)
+    def format_message(self: Any, prompt: Any, role: str = "user", *args: Any, **kwargs: Any) -> Any:
+        videos = kwargs.get("video")
+        explicit = [item for item in prompt if _is_video_item(item)] if isinstance(prompt, list) else []
+        if getattr(self, "model_name", None) != MODEL_TYPE or role != "user" or not (videos or explicit):
+            return original(self, prompt, role, *args, **kwargs)
+        count = len(explicit) if explicit else (len(videos) if isinstance(videos, (list, tuple)) else 1)
+        rest = {k: v for k, v in kwargs.items() if k not in ("video", "fps", "max_pixels")}
+        if explicit:
+            prompt = [item for item in prompt if not _is_video_item(item)]
+        message = original(self, prompt, role, *args, **rest)
+        if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+            return message
+        content = list(message["content"])
+        at = 0
+        while at < len(content) and isinstance(content[at], dict) and content[at].get("type") == "image":
+            at += 1
+        content[at:at] = [{"type": "video"} for _ in range(count)]
+        return {**message, "content": content}
+
+    setattr(format_message, TAG, True)
+    formatter.format_message = format_message
+
+    def restore() -> None:
+        if vars(formatter).get("format_message") is format_message:
+            formatter.format_message = original
+
+    undo.append(("restore mlx_vlm.prompt_utils.MessageFormatter.format_message", restore))
+
+
+VIDEO_MODULE = f"{PACKAGE}.video_processing_{MODEL_TYPE}"
+
+
+def _vendored_is_live() -> bool:
+    live = sys.modules.get(PACKAGE)
+    return live is not None and _within(getattr(live, "__file__", None), _vendored_package_dir())
+
+
+def _install_video_file_hook(undo: List[_Undo]) -> None:
+    """Let the cohere_compass processor read the reference's frames of files mlx-vlm decoded.
+
+    mlx-vlm 0.6.x's ``load_video(path, fps=...)`` samples a file by its own rule (an even number
+    of frames) and returns the frames and a rate, not their indices; 0.7.x instead asks the
+    processor's ``sample_frames`` (``frame_sampler``) and returns the indices. Where
+    ``load_video`` takes no ``frame_sampler``, it is wrapped: its result is unchanged (every
+    model gets what it got), and the returned frames are remembered with their file and rate
+    in the vendored video processor's ``DECODED_VIDEOS``, so the cohere_compass processor that
+    receives them reads that file's frames by the reference's rule, with their times.
+    """
+    import inspect
+
+    utils = importlib.import_module("mlx_vlm.utils")
+    original = vars(utils).get("load_video", _MISSING)
+    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
+        return  # no file decoding in this mlx-vlm (0.3.x, 0.4.x): nothing to extend
+    try:
+        parameters = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return
+    if "frame_sampler" in parameters:
+        return  # mlx-vlm asks the processor's sample_frames itself (sample_frames_in_loader)
+    from .video_files import read_video
+
+    fps_default = parameters["fps"].default if "fps" in parameters else 2.0
+
+    def registry() -> Any:
+        # Looked up when a file is decoded, not at patch time: the package is imported lazily.
+        found = getattr(importlib.import_module(VIDEO_MODULE), "DECODED_VIDEOS", None)
+        if found is None:
+            raise CompassCompatError(
+                f"{VIDEO_MODULE} has no DECODED_VIDEOS registry; the vendored package is incomplete",
+                hooks=[f"{VIDEO_MODULE}.DECODED_VIDEOS"],
+                mlx_vlm_version=_mlx_vlm_version(),
+            )
+        found.reader = read_video
+        return found
+
+    @functools.wraps(original)
+    def load_video(video_path: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(video_path, *args, **kwargs)
+        requested = kwargs.get("fps", args[0] if args else fps_default)
+        if isinstance(result, tuple) and result and kwargs.get("nframes") is None and _vendored_is_live():
+            registry().remember(result[0], str(video_path), requested)
+        return result
+
+    setattr(load_video, TAG, True)
+    utils.load_video = load_video
+
+    def restore() -> None:
+        module = sys.modules.get(VIDEO_MODULE)
+        if module is not None and getattr(module, "DECODED_VIDEOS", None) is not None:
+            module.DECODED_VIDEOS.reader = None
+        if vars(utils).get("load_video") is load_video:
+            utils.load_video = original
+
+    undo.append(("restore mlx_vlm.utils.load_video", restore))
+
+
 # ------------------------------------------------------------------- public
 
 
@@ -527,6 +654,8 @@ def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = 
             if hook:
                 _install_processor_hook(hooks, steps)
                 _install_loader_guard(steps)
+                _install_video_prompt_hook(steps)
+                _install_video_file_hook(steps)
             if lm:
                 # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path).
                 _append_path(hooks.mlx_lm_models, "mlx_lm.models", hooks.vendor / "mlx_lm" / "models", steps)

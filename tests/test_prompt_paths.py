@@ -231,8 +231,9 @@ def test_processor_takes_video_on_every_way_in(loaded, reference, image):
         processor(text=reference(CASES["chatbot_role"]), videos=[np.zeros((2, 32, 32, 3), np.uint8)])
 
 
-def test_video_refused_before_any_model_work(tiny_ckpt_original):
-    """`python -m compass_compat generate` with the video token: a clear error, exit non-zero."""
+def test_video_token_without_a_video_is_a_named_error(tiny_ckpt_original):
+    """`python -m compass_compat generate` with the video token typed in and no --video: the
+    processor's count error as the CLI's one-line error, exit 2, nothing generated."""
     import subprocess
     import sys
 
@@ -259,7 +260,7 @@ def test_video_refused_before_any_model_work(tiny_ckpt_original):
         timeout=600,
     )
     assert run.returncode == 2, run.stdout
-    assert "video input is not supported" in run.stderr and "image part per frame" in run.stderr, run.stderr[-2000:]
+    assert f"holds 1 {VIDEO_TOKEN} token(s)" in run.stderr and "no video was passed" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr  # the CLI's one-line error, not a crash
     assert "Generation:" not in run.stdout  # nothing generated
 
@@ -271,6 +272,9 @@ def mlx_vlm_equivalent(case):
     """The messages mlx-vlm's apply_chat_template means (measured per pin; see the docstring)."""
     messages = CASES[case]
     if VERSION < Version("0.4"):  # 0.3.9: list content becomes its repr; images open the first user turn
+        if case == "video_part":  # the video part first (compass-compat's hook), the rest as its repr
+            rest = [p for p in messages[0]["content"] if p["type"] != "video"]
+            return [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": str(rest)}]}]
         out = [dict(m, content=m["content"] if isinstance(m["content"], str) else str(m["content"])) for m in messages]
         if NUM_IMAGES.get(case):
             first = next(m for m in out if m["role"] == "user")
@@ -279,7 +283,14 @@ def mlx_vlm_equivalent(case):
     joined = {
         "content_only_part": [{"role": "user", "content": "not rendered Describe a compass."}],
         "system_list": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a compass."}],
-        "video_part": [{"role": "user", "content": "What happens?"}],  # the video part is dropped
+        # mlx-vlm's formatter drops video parts for models it does not list; compass-compat's hook
+        # puts them back where they reach it: 0.7 passes list content whole, 0.4-0.6 pass only its
+        # text (a video then reaches the template only through video=, as the server passes it).
+        "video_part": (
+            [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+            if VERSION >= Version("0.7")
+            else [{"role": "user", "content": "What happens?"}]
+        ),
         "image_url_part": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
     }
     return joined.get(case, messages)
@@ -296,9 +307,20 @@ def test_mlx_vlm_apply_chat_template(loaded, reference, case):
     prompt = apply_chat_template(processor, config, messages, num_images=num_images)
     assert prompt == reference(reached)  # what reaches the template renders as the reference renders it
     assert prompt == reference(mlx_vlm_equivalent(case))
-    assert VIDEO_TOKEN not in prompt  # mlx-vlm drops video parts before the template
     if VERSION >= Version("0.4") and case not in ("content_only_part", "video_part"):
         assert prompt == reference(CASES[case])  # no change of meaning
+
+
+def test_mlx_vlm_apply_chat_template_with_video_keeps_the_video_part(loaded, reference):
+    """What mlx-vlm's CLI, generate and server pass (video=): the video part renders once where
+    the template puts it, on every pin (mlx-vlm itself formats video only for models it lists)."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    processor, config = loaded
+    prompt = apply_chat_template(processor, config, "What happens?", num_images=0, video=["clip.mp4"])
+    assert prompt == reference(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    )
 
 
 # ------------------------------------------------------------- mlx-vlm's server
@@ -408,23 +430,42 @@ def write_video(path: Path, frames: int = 4) -> Path:
 
 
 def test_server_refuses_the_video_token_with_the_processors_message(server):
+    """The video token typed into a message with no video: the processor's count error, and the
+    server stays up."""
     status, body, _ = post(server, [{"role": "user", "content": f"What happens in {VIDEO_TOKEN}?"}])
-    assert status >= 400 and "video input is not supported" in body and "image part per frame" in body, body
+    assert status >= 400 and "no video was passed" in body, body
+    assert post(server, [{"role": "user", "content": "Hello"}])[0] == 200, server.tail()
 
 
-def test_server_video_part_is_never_rendered_silently(server, tmp_path):
-    """A video part: refused (the schema on 0.3-0.6.3; our processor on 0.6.12, which hands
-    videos= to it) or, on 0.7, turned into frames sent as images by mlx-vlm itself."""
+def server_passes_videos() -> bool:
+    """mlx-vlm 0.6.12 on hands a request's video parts to the processor; older servers refuse them."""
+    return VERSION >= Version("0.6.12")
+
+
+def test_server_video_part_is_never_rendered_silently(server, tmp_path, tiny_ckpt_original, capsys):
+    """A video part: refused by the schema (0.3-0.6.3); with upstream's processor live (0.7
+    plain) turned into frames sent as images by mlx-vlm itself; with ours (0.6.12, 0.7 forced)
+    rendered as the template renders it and answered with the CLI's text for the same clip."""
+    import test_server as ts
+
+    from compass_compat import cli
+    from compass_compat._patch import implementation_info
+
     video = write_video(tmp_path / "clip.mp4")
     messages = [
         {"role": "user", "content": [{"type": "video", "video": str(video)}, {"type": "text", "text": "What happens?"}]}
     ]
-    status, body, reached = post(server, messages)
-    assert all(VIDEO_TOKEN not in (r["prompt"] or "") for r in reached)
-    if VERSION >= Version("0.7"):  # resolve_video_inputs: no native video support -> frames as images
+    status, body, reached = post(server, messages, max_tokens=6)
+    ours = implementation_info().implementation == "vendored"
+    if server_passes_videos() and ours:
+        assert status == 200, f"{status} {body[:500]}\n{server.tail()}"
+        assert reached and all(r["prompt"].count(VIDEO_TOKEN) == 1 for r in reached), reached
+        argv = ["generate", "--model", str(tiny_ckpt_original), "--video", str(video), "--prompt", "What happens?"]
+        assert cli.main([*argv, "--max-tokens", "6", "--temperature", "0", "--no-verbose"]) == 0
+        assert ts.reply_text(json.loads(body)) == capsys.readouterr().out.rstrip("\n")
+    elif server_passes_videos():  # upstream's processor takes no video: mlx-vlm's frames fallback
+        assert all(VIDEO_TOKEN not in (r["prompt"] or "") for r in reached)
         assert status == 200, body
         assert reached and all(r["prompt"].count(IMAGE_TOKEN) >= 2 for r in reached), reached
-    elif VERSION >= Version("0.6.12"):
-        assert status >= 400 and "video input is not supported" in body, f"{status} {body[:500]}"
     else:
         assert status >= 400 and not reached, f"{status} {body[:500]}"
