@@ -116,7 +116,7 @@ def test_verdicts_match_checklist_md(implementation, upstream_report, vendored_r
 def test_vendored_copy_passes_what_it_must(vendored_report):
     """Ours passes the model items on every pin: the checks can be met."""
     verdicts = vendored_report["verdicts"]
-    model_items = ("2", "3", "4", "7", "8", "9", "10")
+    model_items = ("2", "3", "4", "7", "8", "9", "10", "11")
     assert {n: verdicts[n] for n in model_items} == dict.fromkeys(model_items, "PASS"), describe(vendored_report)
     assert vendored_report["live_package"].endswith(os.path.join("mlx_vlm", "models", "cohere_compass"))
     assert "/vendor/" in vendored_report["live_package"] or "/_vendor/" in vendored_report["live_package"]
@@ -269,6 +269,17 @@ DEFECTS_DRIVER = textwrap.dedent(
         cls.get_input_embeddings = get_input_embeddings
         return lambda: setattr(cls, "get_input_embeddings", original)
 
+    def video_untimestamped():
+        # A contiguous-time video prompt: one block of all the pads, no <t seconds> per patch.
+        cls = processing.CohereCompassProcessor
+        original = cls._video_blocks
+        def contiguous(self, grids, settled, video_kwargs):
+            blocks, total = original(self, grids, settled, video_kwargs)
+            pads = [block.count(self.video_token) for block in blocks]
+            return [self.vision_start_token + self.video_token * n + self.vision_end_token for n in pads], total
+        cls._video_blocks = contiguous
+        return lambda: setattr(cls, "_video_blocks", original)
+
     DEFECTS = {
         "sliding_window_off_by_one": sliding_window_off_by_one,
         "contiguous_mrope": contiguous_mrope,
@@ -276,6 +287,7 @@ DEFECTS_DRIVER = textwrap.dedent(
         "processor_ignores_tokenizer_pixel_bounds": processor_ignores_tokenizer_pixel_bounds,
         "replay_drops_deepstack": replay_drops_deepstack,
         "detokenizer_unguarded": detokenizer_unguarded,
+        "video_untimestamped": video_untimestamped,
     }
     plan = json.loads(sys.argv[1])
     results = {}
@@ -297,6 +309,7 @@ PLAN = {
     "processor_ignores_tokenizer_pixel_bounds": [3],
     "replay_drops_deepstack": [4],
     "detokenizer_unguarded": [10],
+    "video_untimestamped": [3, 11],
 }
 
 
@@ -369,3 +382,11 @@ def test_unguarded_detokenizer_fails_item_10(defects):
         assert r["verdict"] == "PASS" and "NaiveStreamingDetokenizer" in r["evidence"], r["evidence"]
     else:
         assert r["verdict"] == "FAIL" and "IndexError" in r["evidence"], r["evidence"]
+
+
+def test_untimestamped_video_prompt_fails_item_11_only(defects):
+    report = defects["video_untimestamped"]
+    r = item(report, 11)
+    assert r["verdict"] == "FAIL", r["evidence"]
+    assert "prompt ids differ" in r["evidence"] and "processor ids = reference (timestamps) 0/4" in r["evidence"]
+    assert item(report, 3)["verdict"] == "PASS", item(report, 3)["evidence"]  # images are unaffected

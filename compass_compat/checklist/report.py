@@ -80,6 +80,13 @@ ITEMS: Tuple[Item, ...] = (
         "vocab_size exceeds the tokenizer (262144 vs 255035): one sampled padding id ends the stream "
         "with an IndexError",
     ),
+    Item(
+        11,
+        "{impl}'s video path matches the reference (timestamped prompt ids, pixels, grids, positions, "
+        "logits, greedy ids)",
+        "a video prompt without its per-patch timestamps, or video tokens embedded as text, silently "
+        "degrades every video answer",
+    ),
 )
 ITEM_NUMBERS = tuple(item.number for item in ITEMS)
 

@@ -11,6 +11,7 @@ from .fresh_interpreter import check_model_config, check_processor_without_torch
 from .package import check_ships, check_vendored_imports
 from .parity import check_image, check_text
 from .replay import check_cached_replay
+from .video import check_video
 
 CHECKS: Dict[int, Check] = {
     1: check_ships,
@@ -23,6 +24,7 @@ CHECKS: Dict[int, Check] = {
     8: check_quantized,
     9: check_layouts,
     10: check_padding_ids,
+    11: check_video,
 }
 
 __all__ = ["CHECKS", "Check", "result"]
