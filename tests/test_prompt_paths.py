@@ -469,3 +469,15 @@ def test_server_video_part_is_never_rendered_silently(server, tmp_path, tiny_ckp
         assert reached and all(r["prompt"].count(IMAGE_TOKEN) >= 2 for r in reached), reached
     else:
         assert status >= 400 and not reached, f"{status} {body[:500]}"
+
+
+@pytest.mark.skipif(not server_passes_videos(), reason="this mlx-vlm's server refuses video parts in its schema")
+def test_server_answers_a_corrupt_video_with_an_error_and_stays_up(server, tmp_path):
+    bad = tmp_path / "corrupt.mp4"
+    bad.write_bytes(np.random.default_rng(1).integers(0, 256, 2048, dtype=np.uint8).tobytes())
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": str(bad)}, {"type": "text", "text": "What happens?"}]}
+    ]
+    status, body, _ = post(server, messages)
+    assert status >= 400 and ("Cannot open video" in body or "cannot open" in body), f"{status} {body[:500]}"
+    assert post(server, [{"role": "user", "content": "Hello"}])[0] == 200, server.tail()
