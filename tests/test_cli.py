@@ -267,3 +267,21 @@ def test_errors_say_what_is_missing(capsys, tmp_path, tiny_ckpt_original, argv, 
     assert message in err
     assert err.startswith(f"python -m compass_compat {argv[0]}: error:"), err
     assert "Traceback" not in err
+
+
+def test_video_with_upstreams_processor_says_how_to_get_video(capsys, tiny_ckpt_original, tmp_path):
+    """Where upstream's cohere_compass is live (0.7.10 unforced) its processor takes no video:
+    --video is refused with the switch that gives the vendored one, never sent as stills."""
+    if compass_compat.implementation_info().implementation != "upstream":
+        pytest.skip("the vendored package is live: tests/test_video_entry.py runs --video")
+    import cv2
+
+    from compass_compat.clips import make_clip
+
+    clip = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(str(clip), cv2.VideoWriter_fourcc(*"FFV1"), 2.0, (64, 64))
+    for frame in make_clip(4, 64, 64):
+        writer.write(frame[..., ::-1].copy())
+    writer.release()
+    code, out, err = main_in_process(capsys, "generate", "--model", str(tiny_ckpt_original), "--video", str(clip))
+    assert code == 2 and "takes no video" in err and "COMPASS_COMPAT_FORCE_VENDORED=1" in err, err
