@@ -44,10 +44,10 @@ def render(scene: shapes.Scene, look: shapes.Look = shapes.PLAIN) -> np.ndarray:
 
 
 def _draw(draw: ImageDraw.ImageDraw, shape: shapes.Shape, scale: int) -> None:
-    # Pillow fills pixel [i, i + 1) when its integer index i lies in the outline: half a pixel
-    # off the continuous coordinates, so shift by -0.5 to draw the same place.
+    # Pillow also fills the pixels the outline touches: its shapes come out about half a pixel
+    # larger on every side than the exact outline, whose centre they keep.
     def point(x: float, y: float):
-        return (x * scale - 0.5, y * scale - 0.5)
+        return (x * scale, y * scale)
 
     if shape.kind == "circle":
         left, top, right, bottom = shapes.pixel_box(shape)

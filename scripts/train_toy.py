@@ -701,6 +701,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument(
         "--eval-pictures", type=int, default=EVAL_PICTURES, help="held-out pictures per renderer (default: %(default)s)"
     )
+    parser.add_argument("--no-record", action="store_true", help="train only (a stage that another follows)")
     parser.add_argument("--find-demo", type=pathlib.Path, help="print demo scenes these weights answer right")
     args = parser.parse_args(argv)
     if args.find_demo:
@@ -716,7 +717,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.tower,
             args.eval_pictures,
         )
-    if args.out is None:
+    if args.out is None and not args.no_record:
         record_reference()
 
 
