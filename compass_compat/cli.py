@@ -42,7 +42,7 @@ from .startup import PTH_NAME, installed_hooks
 PROG = "python -m compass_compat"
 DEMO_IMAGE = Path(__file__).resolve().parent / "assets" / "demo.png"
 HOME_ENV = "COMPASS_COMPAT_HOME"
-DEFAULT_CHECKPOINT = "toy-shapes-v2"  # bump the suffix when the builder's output changes
+DEFAULT_CHECKPOINT = "toy-shapes-v3"  # bump the suffix when the builder's output changes
 MARKER = "compass-compat-default.json"
 DEFAULT_PROMPT = "Describe this picture."
 DEFAULT_VIDEO_PROMPT = "Describe this video."

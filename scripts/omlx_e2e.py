@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """End to end: oMLX's engine (`omlx serve`, PyPI flyto-mlx 0.7.0) serving compass-compat's default
-tiny checkpoint through the startup hook, checked against `python -m compass_compat generate`.
+checkpoint (the toy) through the startup hook, checked against `python -m compass_compat generate`.
 
 Run it with the omlx environment's interpreter (scripts/make_omlx_env.sh builds it):
 
@@ -10,9 +10,9 @@ What it does, in order:
 
 1. locates (or builds once) the default checkpoint exactly as `python -m compass_compat generate`
    does (compass_compat.cli.ensure_default_checkpoint, $COMPASS_COMPAT_HOME honoured) and copies it
-   to OUT/models/tiny-random-v1: `omlx serve --model-dir` serves every subfolder, and the
+   to OUT/models/toy-shapes-v3: `omlx serve --model-dir` serves every subfolder, and the
    folder name is the model id that requests name;
-2. expected answers: one `python -m compass_compat generate --model OUT/models/tiny-random-v1
+2. expected answers: one `python -m compass_compat generate --model OUT/models/toy-shapes-v3
    --no-verbose --temperature 0 --max-tokens N [--image ...|--no-image] --prompt TEXT` process per
    distinct request (a fresh process, so no model state carries over between requests);
 3. prompt check, in this process: the host's own prompt pipeline (omlx's request model, message
@@ -70,7 +70,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
-MODEL_ID = "tiny-random-v1"
+MODEL_ID = "toy-shapes-v3"  # the default checkpoint it serves (compass_compat.cli.DEFAULT_CHECKPOINT)
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 REEXEC = "OMLX_E2E_SOURCE"  # set when re-run on an exported --git-rev tree
 
@@ -270,6 +270,10 @@ def prepare_model_dir(out: Path) -> Path:
     from compass_compat.cli import ensure_default_checkpoint
 
     src = ensure_default_checkpoint()
+    if src.name != MODEL_ID:
+        raise RuntimeError(
+            f"the default checkpoint is now {src.name!r}: set MODEL_ID to it, so the id names what is served"
+        )
     models = out / "models"
     if models.exists():
         shutil.rmtree(models)

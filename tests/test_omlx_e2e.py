@@ -1,4 +1,4 @@
-"""oMLX's engine (PyPI flyto-mlx 0.7.0) serving the default tiny checkpoint, end to end.
+"""oMLX's engine (PyPI flyto-mlx 0.7.0) serving the default checkpoint (the toy), end to end.
 
 Runs scripts/omlx_e2e.py (which starts `omlx serve` on 127.0.0.1 with the startup hook and
 compares every answer with `python -m compass_compat generate`). Only in an environment that has
