@@ -75,6 +75,7 @@ TOY_CASES = ("video_4f",)
 FILE_CLIPS = {
     "clip_72x128": (72, 128, 128, 7),
     "clip_75x128": (75, 128, 128, 8),
+    "demo_clip.avi": "compass_compat/assets/demo_clip.avi",  # the README's example (a committed file)
 }
 FILE_CASES = {
     "file_24fps": ([("video",), ("text", "What moves in this video?")], "clip_72x128", 24.0, {}),
@@ -87,7 +88,26 @@ FILE_CASES = {
         {"processor": {"max_frames": 4}},
     ),
     "file_30fps_odd": ([("video",), ("text", "Describe this video.")], "clip_75x128", 30.0, {}),
+    "file_demo": ([("video",), ("text", "Describe this picture.")], "demo_clip.avi", 4.0, {}),
 }
+
+
+def file_clip_frames(name: str) -> np.ndarray:
+    """A file case's whole clip: drawn by compass_compat.clips, or every frame of a committed file."""
+    spec = FILE_CLIPS[name]
+    if not isinstance(spec, str):
+        return clips.make_clip(*spec)
+    import cv2
+
+    cap = cv2.VideoCapture(str(ROOT / spec))
+    frames = []
+    while True:
+        ok, frame = cap.read()
+        if not ok:
+            break
+        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    cap.release()
+    return np.stack(frames)
 
 
 def messages(parts) -> List[dict]:
@@ -132,7 +152,7 @@ class Reference:
             prompt = self.processor.tokenizer.apply_chat_template(
                 messages(parts), tokenize=False, add_generation_prompt=True
             )
-            frames = clips.make_clip(*FILE_CLIPS[clip])
+            frames = file_clip_frames(clip)
             video_processor, chosen = self.processor.video_processor, []
             original = video_processor.sample_frames
 
@@ -255,7 +275,9 @@ class Reference:
         top2 = np.sort(arrays["greedy_logits"], axis=-1)[:, -2:]
         if case in FILE_CASES:
             parts, clip, fps, sampling = FILE_CASES[case]
-            videos = [{"clip": clip, "shape": list(FILE_CLIPS[clip]), "fps": fps, "sampling": sampling}]
+            spec = FILE_CLIPS[clip]
+            videos = [{"clip": clip, "fps": fps, "sampling": sampling}]
+            videos[0].update({"file": spec} if isinstance(spec, str) else {"shape": list(spec)})
             videos[0]["frames_indices"] = inputs["frames_indices"][0]
             images = []
         else:
@@ -307,7 +329,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "generated_by": "scripts/record_video_model.py",
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
         "n_greedy": N_GREEDY,
-        "clips": {name: list(shape) for name, shape in {**CLIPS, **FILE_CLIPS}.items()},
+        "clips": {
+            name: spec if isinstance(spec, str) else list(spec) for name, spec in {**CLIPS, **FILE_CLIPS}.items()
+        },
         "checkpoints": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
