@@ -249,6 +249,7 @@ def video_inputs(args: argparse.Namespace, processor, prompt: str, images: Seque
         videos=clips,
         video_metadata=metadata,
         do_sample_frames=False,
+        **({} if args.cap_pixels_per_frame is None else {"cap_pixels_per_frame": args.cap_pixels_per_frame}),
     )
     kwargs = {"input_ids": mx.array(np.asarray(out["input_ids"]))}
     if out.get("attention_mask") is not None:
@@ -265,8 +266,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.no_image and args.image:
         raise CliError("--no-image and --image exclude each other")
     videos = check_videos(args.video or [])
-    if not videos and (args.fps is not None or args.max_frames is not None):
-        raise CliError("--fps and --max-frames need --video")
+    if not videos and (args.fps is not None or args.max_frames is not None or args.cap_pixels_per_frame is not None):
+        raise CliError("--fps, --max-frames and --cap-pixels-per-frame need --video")
     if args.fps is not None and args.fps <= 0:
         raise CliError(f"--fps must be positive, got {args.fps:g}")
     default_images = [] if videos else [str(DEMO_IMAGE)]
@@ -728,6 +729,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bounded(int, 1),
         metavar="N",
         help="with --video: sample at most N frames per clip (default: the processor's, 768)",
+    )
+    gen.add_argument(
+        "--cap-pixels-per-frame",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "with --video: hold each frame to its share of the pixel budget (the reference's capped mode); "
+            "--no-cap-pixels-per-frame keeps full-size frames; unset: uncapped with the reference's warning"
+        ),
     )
     gen.add_argument("--prompt", nargs="+", help=f"the user message (default: {DEFAULT_PROMPT!r})")
     gen.add_argument("--system", help="system message")

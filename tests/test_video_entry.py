@@ -192,7 +192,7 @@ def test_errors_name_the_file_problem(tmp_path, capsys, toy_ckpt):
     cases = [
         (["--video", str(corrupt)], "cannot open"),
         (["--video", str(tmp_path / "missing.mp4")], "video file not found"),
-        (["--fps", "2"], "--fps and --max-frames need --video"),
+        (["--fps", "2"], "--fps, --max-frames and --cap-pixels-per-frame need --video"),
         (["--video", str(corrupt), "--fps", "0"], "--fps must be positive"),
     ]
     for extra, message in cases:
