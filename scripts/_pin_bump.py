@@ -292,7 +292,8 @@ def render_md(r: Dict[str, Any]) -> str:
         "",
         f"Resolution: {r['resolution']}.",
         "",
-        f"Requirements: `{r['requirements']}`" + (f"; constraints: `{' '.join(r['constraints'])}`" if r["constraints"] else ""),
+        f"Requirements: `{r['requirements']}`"
+        + (f"; constraints: `{' '.join(r['constraints'])}`" if r["constraints"] else ""),
         "",
         "| mlx | mlx-vlm | mlx-lm | transformers | torch | Python |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -359,10 +360,10 @@ def render_md(r: Dict[str, Any]) -> str:
 
 def cmd_report(work: str, out_base: str) -> int:
     report = build_report(Path(work))
-    base = Path(out_base)
+    base = Path(out_base)  # "<dir>/0.3.11": a version, not a suffix
     base.parent.mkdir(parents=True, exist_ok=True)
-    base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    base.with_suffix(".md").write_text(render_md(report), encoding="utf-8")
+    Path(f"{base}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    Path(f"{base}.md").write_text(render_md(report), encoding="utf-8")
     print(report["exit_code"])
     return 0
 

@@ -6,9 +6,9 @@
 #                               constraints file); repeatable
 #   --recipe ENV|auto           resolve with a matrix environment's requirements (scripts/pins.sh)
 #                               instead of a host's, mlx-vlm swapped for VERSION (auto: the newest
-#                               untagged environment at or below VERSION). Recipe pins the release's
-#                               own requirements exclude are dropped (pip names them), and if it still
-#                               does not resolve, the release's own metadata decides alone
+#                               untagged environment at or below VERSION). A release whose own
+#                               requirements conflict with the recipe is resolved as a host would,
+#                               from its own metadata (the report says so and names the conflict)
 #   --tests full|sweep|none     which vendored tests run (default full: the whole suite; sweep: the
 #                               selection release_sweep.sh uses, see SWEEP_TESTS below)
 #   --out DIR                   where <version>.md / .json go (default benchmarks/pin-bump)
@@ -82,10 +82,16 @@ log() { echo "[pin-bump] $version: $*"; }
 now() { date +%s; }
 declare -A seconds=()
 
-commit="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo "${PIN_BUMP_COMMIT:-unknown}")"
+# The commit checked (PIN_BUMP_COMMIT: a snapshot's, set by release_sweep.sh); "+dirty" when the
+# checkout has uncommitted changes (then nothing is cached).
 clean=1
-if git -C "$root" rev-parse HEAD >/dev/null 2>&1 && [ -n "$(git -C "$root" status --porcelain --untracked-files=no)" ]; then
-  clean=0; commit="$commit+dirty"
+if [ -n "${PIN_BUMP_COMMIT:-}" ]; then
+  commit="$PIN_BUMP_COMMIT"
+else
+  commit="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
+  if [ -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    clean=0; commit="$commit+dirty"
+  fi
 fi
 
 # ------------------------------------------------------------------ the environment
@@ -110,45 +116,22 @@ start=$(now)
 env_error=""
 log "creating $env"
 "$py" -m venv "$env" && "$env/bin/pip" install -q --upgrade pip >"$work/pip.log" 2>&1 || env_error="python -m venv failed"
-attempt=0
 while [ -z "$env_error" ]; do
-  attempt=$((attempt + 1))
   log "pip install $reqs pytest hypothesis"
   # shellcheck disable=SC2086
   if "$env/bin/pip" install -q "${cflags[@]}" $reqs pytest hypothesis >>"$work/pip.log" 2>"$work/pip.err"; then
     break
   fi
   grep -v "^WARNING: Location" "$work/pip.err" | tail -n 5 | sed 's/^/    /'
-  if ! grep -q "ResolutionImpossible" "$work/pip.err" || [ -z "$recipe" ] || [ $attempt -gt 4 ]; then
-    if [ -n "$recipe" ] && grep -q "ResolutionImpossible" "$work/pip.err"; then
-      reqs="$host_reqs"; recipe=""
-      resolution="own metadata (the recipe does not resolve: $resolution)"
-      log "the recipe does not resolve; resolving from mlx-vlm $version's own requirements"
-      continue
-    fi
-    env_error="pip could not install: $(grep -v '^WARNING' "$work/pip.err" | grep -m1 ERROR || tail -n1 "$work/pip.err")"
-    break
-  fi
-  # Drop the recipe pins pip names as conflicting with this release; keep the rest of the recipe.
-  conflicting="$("$py" "$helper" conflicts < "$work/pip.err")"
-  dropped=""; relaxed=""
-  for token in $reqs; do
-    name="$(echo "$token" | sed -E 's/[][<>=!~;].*$//' | tr 'A-Z_' 'a-z-')"
-    if [ "$name" != mlx-vlm ] && [ "$token" != "${token%%[<>=!~]*}" ] && [[ " $conflicting " == *" $name "* ]]; then
-      bare="$(echo "$token" | sed -E 's/[<>=!~].*$//')"
-      relaxed="$relaxed $bare"; dropped="$dropped $token"
-    else
-      relaxed="$relaxed $token"
-    fi
-  done
-  if [ -z "$dropped" ]; then  # pip named nothing we pinned: the release's metadata alone
+  if [ -n "$recipe" ] && grep -q "ResolutionImpossible" "$work/pip.err"; then
+    # The release's own requirements exclude the recipe (pip resolves before it installs anything).
+    conflicting="$("$py" "$helper" conflicts < "$work/pip.err")"
+    resolution="own metadata (recipe $recipe conflicts with mlx-vlm $version's requirements: ${conflicting:-?})"
     reqs="$host_reqs"; recipe=""
-    resolution="own metadata (the recipe does not resolve: $resolution)"
-  else
-    reqs="${relaxed# }"
-    resolution="recipe relaxed from own metadata (dropped:$dropped): $reqs"
+    log "$resolution"
+    continue
   fi
-  log "conflict with this release's requirements; now $resolution"
+  env_error="pip could not install: $(grep -v '^WARNING' "$work/pip.err" | grep -m1 ERROR || tail -n1 "$work/pip.err")"
 done
 if [ -z "$env_error" ]; then
   "$env/bin/pip" install -q --no-deps -e "$root" >>"$work/pip.log" 2>&1 || env_error="editable install of $root failed"
@@ -156,6 +139,9 @@ fi
 if [ -z "$env_error" ]; then
   "$env/bin/pip" freeze --exclude-editable > "$work/freeze.txt"
   if grep -qi '^torch==' "$work/freeze.txt"; then env_error="torch got installed (pulled by a requirement)"; fi
+fi
+if [ -z "$env_error" ] && ! "$env/bin/python" -c "import mlx_vlm, mlx_lm" >"$work/import.log" 2>&1; then
+  env_error="mlx-vlm $version does not import in the resolved environment: $(tail -n 1 "$work/import.log")"
 fi
 seconds[env]=$(( $(now) - start ))
 pyenv="$env/bin/python"
