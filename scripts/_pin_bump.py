@@ -8,7 +8,8 @@ Subcommands:
   conflicts                < pip's resolver error             the packages pip names as conflicting
   report WORKDIR OUT_BASE                                    write OUT_BASE.md and OUT_BASE.json, print
                                                              the exit status (0 / 1 / 2)
-  sweep-row REPORT.json TABLE.md                             append one row to the sweep table
+  sweep-row REPORT.json TABLE.md                             add one row to the sweep table (rows kept sorted)
+  spread                   < releases, oldest first           an order whose every prefix spans the range
 
 The report compares each checklist verdict with CHECKLIST.md's expected-verdicts block (whatever
 items it lists) for the nearest recorded pin at or below the release.
@@ -402,9 +403,27 @@ def cmd_sweep_row(report_json: str, table: str) -> int:
         f"{res['transformers']} | {((mine or {}).get('sha256') or '-')[:16]} | {same} | {tests} | {upstream} | "
         f"{r['exit_code']} | {(r['commit'] or '?')[:8]} |\n"
     )
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(row)
+    # Rows kept in release order whatever order the sweep ran them in.
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    head = [line for line in lines if not re.match(r"^\| \d", line)]
+    rows = [line for line in lines if re.match(r"^\| \d", line)] + [row]
+    rows.sort(key=lambda line: Version(line.split("|")[1].strip()))
+    path.write_text("".join(head + rows), encoding="utf-8")
     print(row, end="")
+    return 0
+
+
+def cmd_spread() -> int:
+    """Releases (stdin, oldest first) reordered so any prefix covers the range evenly: every 8th,
+    then every 4th, every 2nd, the rest (an interrupted sweep still spans the range)."""
+    releases = [line.strip() for line in sys.stdin if line.strip()]
+    order: List[str] = []
+    for step in (8, 4, 2, 1):
+        order += [r for i, r in enumerate(releases) if i % step == 0 and r not in order]
+    if releases and releases[-1] in order:
+        order.remove(releases[-1])
+        order.insert(1, releases[-1])  # the newest early: it is what a pin bump is about
+    print("\n".join(order))
     return 0
 
 
@@ -415,6 +434,7 @@ def main(argv: List[str]) -> int:
         "conflicts": (cmd_conflicts, 0),
         "report": (cmd_report, 2),
         "sweep-row": (cmd_sweep_row, 2),
+        "spread": (cmd_spread, 0),
     }
     if argv and argv[0] == "recipe-env":
         return cmd_recipe_env(*argv[1:])

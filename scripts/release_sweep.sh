@@ -11,9 +11,10 @@
 #   --commit      git-commit the table and that release's report after each row
 #
 # Run it niced (`nice -n 10 bash scripts/release_sweep.sh`): one environment at a time, each deleted
-# after its row, so disk stays bounded. The table is benchmarks/pin-bump/sweep.md, one row appended
-# per release; a release already in it is skipped, so an interrupted sweep resumes where it stopped
-# (delete a row to redo it). Per-release reports: benchmarks/pin-bump/sweep/<version>.{md,json}.
+# after its row, so disk stays bounded. The table is benchmarks/pin-bump/sweep.md, one row added per
+# release as it finishes (rows sorted by release); a release already in it is skipped, so an
+# interrupted sweep resumes where it stopped (delete a row to redo it). Releases run in an order
+# whose every prefix spans the range (every 8th release first, the newest second, then the gaps). Per-release reports: benchmarks/pin-bump/sweep/<version>.{md,json}.
 # The code checked is a snapshot of HEAD (git archive into build/pin-bump/src-<commit>), so editing
 # the checkout during a sweep changes nothing; each row names the commit it ran.
 # Not part of .ci/run: the scheduled CI job is .ci/pin-bump (one release, default latest).
@@ -36,7 +37,7 @@ case "$resolve" in recipe|host) ;; *) echo "[sweep] --resolve takes recipe or ho
 from="${range[0]:-0.3.9}"; to="${range[1]:-latest}"
 index="$("$py" -m pip index versions mlx-vlm 2>/dev/null)" || { echo "[sweep] could not ask the registry" >&2; exit 2; }
 [ "$to" != latest ] || to="$("$py" "$helper" latest <<<"$index")"
-mapfile -t releases < <("$py" "$helper" releases "$from" "$to" <<<"$index")
+mapfile -t releases < <("$py" "$helper" releases "$from" "$to" <<<"$index" | "$py" "$helper" spread)
 [ ${#releases[@]} -gt 0 ] || { echo "[sweep] no release in $from .. $to" >&2; exit 2; }
 
 out="$root/benchmarks/pin-bump"; reports="$out/sweep"; table="$out/sweep.md"
