@@ -85,9 +85,10 @@ for version in "${releases[@]}"; do
   "$py" "$helper" sweep-row "$reports/$version.json" "$table" | sed "s/^/[sweep] /"
   echo "[sweep] $version: exit $rc in $(( $(date +%s) - start )) s"
   if [ $commit_rows = 1 ]; then
-    git -C "$root" add -- "$table" "$reports/$version.md" "$reports/$version.json" &&
+    # The whole table and report folder: a row whose commit failed (index locked) goes with the next.
+    git -C "$root" add -- "$table" "$reports" &&
       git -C "$root" commit -q -m "release sweep: mlx-vlm $version (pin_bump exit $rc, $(( $(date +%s) - start )) s)" \
-        -- "$table" "$reports/$version.md" "$reports/$version.json" ||
+        -- "$table" "$reports" ||
       echo "[sweep] $version: could not commit the row (the table keeps it)" >&2
   fi
 done
