@@ -24,7 +24,8 @@
 #
 # Then, from this checkout (editable install):
 #   1. python -m compass_compat.checklist --json, --implementation upstream and vendored;
-#   2. the vendored test suite (COMPASS_COMPAT_FORCE_VENDORED=1; torch modules skip by themselves;
+#   2. the vendored test suite (COMPASS_COMPAT_FORCE_VENDORED=1 where upstream ships cohere_compass,
+#      as the matrix runs it; torch modules skip by themselves;
 #      test_checklist's per-pin verdict test is deselected: step 1 compares the verdicts instead);
 #   3. python -m compass_compat generate --no-verbose (the default checkpoint, the demo picture),
 #      vendored live, as installed (where upstream ships cohere_compass), and in the matrix
@@ -172,9 +173,10 @@ if [ -z "$env_error" ]; then
   if [ "$tests" != none ]; then
     if [ "$tests" = sweep ]; then targets=("${SWEEP_TESTS[@]}"); else targets=(tests); fi
     args=("${targets[@]}" -q -p no:cacheprovider --deselect tests/test_checklist.py::test_verdicts_match_checklist_md)
-    tests_cmd="COMPASS_COMPAT_FORCE_VENDORED=1 python -m pytest ${args[*]}"
+    # As the matrix: the switch only where upstream ships cohere_compass (elsewhere ours is live anyway).
+    tests_cmd="COMPASS_COMPAT_FORCE_VENDORED=$upstream_ships python -m pytest ${args[*]}"
     start=$(now); log "tests ($tests): $tests_cmd"
-    (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED=1 "$pyenv" -m pytest "${args[@]}" \
+    (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED=$upstream_ships "$pyenv" -m pytest "${args[@]}" \
         --junitxml="$work/pytest.xml") >"$work/pytest.log" 2>&1
     seconds[tests]=$(( $(now) - start ))
     log "tests: $(tail -n 1 "$work/pytest.log") [${seconds[tests]} s]"
