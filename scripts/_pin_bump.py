@@ -9,6 +9,7 @@ Subcommands:
   report WORKDIR OUT_BASE                                    write OUT_BASE.md and OUT_BASE.json, print
                                                              the exit status (0 / 1 / 2)
   sweep-row REPORT.json TABLE.md                             add one row to the sweep table (rows kept sorted)
+  rebuild REPORTS_DIR TABLE.md                               rewrite the table's rows from the reports
   spread                   < releases, oldest first           an order whose every prefix spans the range
 
 The report compares each checklist verdict with CHECKLIST.md's expected-verdicts block (whatever
@@ -377,7 +378,13 @@ SWEEP_HEADER = (
 
 
 def sweep_cell_resolution(text: Optional[str]) -> str:
-    return (text or "?").split(":")[0]
+    """ "recipe 0.6.3", "own metadata (0.6.3's recipe conflicts: transformers)" or "host"."""
+    text = text or "?"
+    own = re.match(r"own metadata \(recipe (\S+) conflicts with .*?: (.*)\)$", text)
+    if own:
+        names = [n for n in own.group(2).split() if n != "mlx-vlm"] or ["?"]
+        return f"own metadata ({own.group(1)}'s recipe conflicts: {', '.join(names)})"
+    return text.split(":")[0]
 
 
 def cmd_sweep_row(report_json: str, table: str) -> int:
@@ -413,6 +420,18 @@ def cmd_sweep_row(report_json: str, table: str) -> int:
     return 0
 
 
+def cmd_rebuild(reports: str, table: str) -> int:
+    """Rewrite the table's rows from every report in ``reports`` (the header is kept)."""
+    path = Path(table)
+    head = [
+        line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if not re.match(r"^\| \d", line)
+    ]
+    path.write_text("".join(head), encoding="utf-8")
+    for report in sorted(Path(reports).glob("*.json")):
+        cmd_sweep_row(str(report), table)
+    return 0
+
+
 def cmd_spread() -> int:
     """Releases (stdin, oldest first) reordered so any prefix covers the range evenly: every 8th,
     then every 4th, every 2nd, the rest (an interrupted sweep still spans the range)."""
@@ -435,6 +454,7 @@ def main(argv: List[str]) -> int:
         "report": (cmd_report, 2),
         "sweep-row": (cmd_sweep_row, 2),
         "spread": (cmd_spread, 0),
+        "rebuild": (cmd_rebuild, 2),
     }
     if argv and argv[0] == "recipe-env":
         return cmd_recipe_env(*argv[1:])
