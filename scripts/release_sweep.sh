@@ -74,7 +74,7 @@ for version in "${releases[@]}"; do
   fi
   start=$(date +%s)
   recipe_args=(); [ "$resolve" = recipe ] && recipe_args=(--recipe auto)
-  PIN_BUMP_COMMIT="$commit" bash "$src/scripts/pin_bump.sh" "$version" "${recipe_args[@]}" --tests "$tests" \
+  PIN_BUMP_COMMIT="$commit" PIN_BUMP_HOME="$home" bash "$src/scripts/pin_bump.sh" "$version" "${recipe_args[@]}" --tests "$tests" \
     --out "$reports" > "$home/sweep-$version.log" 2>&1
   rc=$?
   if [ ! -f "$reports/$version.json" ]; then
