@@ -55,7 +55,7 @@ if [ ! -f "$table" ]; then
   {
     echo "# mlx-vlm release sweep"
     echo
-    echo "Written by \`scripts/release_sweep.sh\` (one row per release, appended as each finishes; see"
+    echo "Written by \`scripts/release_sweep.sh\` (one row per release, added as each finishes, kept in release order; see"
     echo "docs/testing.md). resolution: \`recipe ENV\` = scripts/pins.sh's requirements of that matrix"
     echo "environment with mlx-vlm swapped; \`own metadata\` = the release's requirements conflict with the recipe,"
     echo "so it is resolved as a host would (newest mlx, mlx-lm, transformers it allows); \`host\` = --resolve host."
