@@ -337,7 +337,9 @@ def render_md(r: Dict[str, Any]) -> str:
     if t is None:
         lines.append("No junit XML.")
     else:
-        lines.append(f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped (junit counts xfails as skipped).")
+        lines.append(
+            f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped (junit counts xfails as skipped)."
+        )
         for name in t["failed_tests"]:
             lines.append(f"- FAILED {name}")
     lines += ["", "## The default checkpoint's main job (`python -m compass_compat generate --no-verbose`)", ""]
