@@ -20,8 +20,8 @@ headers, never tensor data, never a pickle, never checkpoint code) and raises
   with the shape ``config.json`` implies and nothing else (the head as
   ``ModelConfig.head_tied`` decides from the tie keys and whether ``lm_head`` is stored),
   and a ``quantization`` block that agrees with the stored quantized tensors, in a mode
-  this mlx-vlm and mlx can load (else the error names the mode, both versions and what
-  to use instead).
+  this mlx-vlm and mlx are measured to load (``compass_compat.probes``; else the error names
+  the mode, both versions, what the probe measured and what to use instead).
 
 Where it runs: hosts can call it before ``mlx_vlm.load``; the shim's ``AutoProcessor`` hook
 also calls it (with ``require_weights=False``) before it builds the vendored processor, which
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -721,14 +720,12 @@ def _metadata(folder: Path, name: str) -> Dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-# Quantization modes: the (group_size, bits) each needs, and the oldest mlx-vlm / mlx measured
-# to load it (tests/test_quant_modes.py). mlx-vlm 0.3.9's load_model calls nn.quantize
-# without mode (0.4.4 passes quantization["mode"]); mlx 0.30.0's CPU quantized_matmul gives
-# wrong results for mxfp8 and nvfp4 (0.31.2 matches mx.dequantize). Releases in between
-# were not measured, so they are refused too.
+# Quantization modes beyond affine and the (group_size, bits) each needs. Whether this install
+# loads one is measured, not read from version numbers (compass_compat/probes.py): mlx-vlm's
+# loader must pass the mode to mlx.nn.quantize (0.3.9's does not) and mlx's quantized_matmul on
+# the default device must agree with the dequantized product (mlx 0.30.0's CPU kernels do not
+# for mxfp8 and nvfp4). tests/test_quant_modes.py checks the probes against real loads.
 QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
-MODE_MIN_MLX_VLM = (0, 4, 4)
-MODE_MIN_MLX = {"mxfp4": (0, 30, 0), "mxfp8": (0, 31, 2), "nvfp4": (0, 31, 2)}
 
 
 def _dist_version(name: str) -> str:
@@ -740,18 +737,8 @@ def _dist_version(name: str) -> str:
         return "not installed"
 
 
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
 def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> None:
-    """Refuse a quantization mode this pin cannot load, before mlx-vlm's loader runs."""
+    """Refuse a quantization mode this install is measured not to load, before mlx-vlm's loader runs."""
     if mode == "affine":
         return
     mlx_vlm, mlx = _dist_version("mlx-vlm"), _dist_version("mlx")
@@ -776,27 +763,26 @@ def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> 
             folder=folder,
             file="config.json",
         )
-    why = []
-    if _version_tuple(mlx_vlm) < MODE_MIN_MLX_VLM:
+    from . import probes
+
+    loader = probes.loader_passes_mode(mode, group, bits)
+    kernel = probes.quant_kernel(mode, group, bits)
+    why, need = [], []
+    if loader.broken:
         why.append(
-            f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode (as affine), so the "
-            f"{mode} weights do not fit it"
+            f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode, so the {mode} weights do not fit it"
         )
-    if _version_tuple(mlx) < MODE_MIN_MLX[mode]:
-        why.append(
-            f"mlx {mlx} has no {mode} kernels"
-            if _version_tuple(mlx) < (0, 30)
-            else f"mlx {mlx}'s CPU kernels compute wrong {mode} results"
-        )
+        need.append("an mlx-vlm whose load_model passes quantization['mode'] to mlx.nn.quantize")
+    if kernel.broken:
+        why.append(f"mlx {mlx}'s {mode} kernels compute wrong results on this device")
+        need.append(f"an mlx whose {mode} quantized_matmul matches mx.dequantize")
     if why:
-        need = [
-            f"mlx-vlm >= {'.'.join(map(str, MODE_MIN_MLX_VLM))}",
-            f"mlx >= {'.'.join(map(str, MODE_MIN_MLX[mode]))}",
-        ]
         raise CheckpointError(
             f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: "
             + "; ".join(why)
-            + f". Load it with {' and '.join(need)}, {affine}",
+            + " (measured: "
+            + "; ".join(p.evidence for p in (loader, kernel) if p.broken)
+            + f"). Load it with {' and '.join(need)}, {affine}",
             folder=folder,
             file="config.json",
         )

@@ -486,10 +486,13 @@ def draw_answer_boxes(text: str, images: Sequence[str], index: Optional[int], ou
 # --------------------------------------------------------------------------- server
 
 
-def _mlx_vlm_version() -> Tuple[int, ...]:
-    import mlx_vlm
-
-    return tuple(int(p) for p in re.findall(r"\d+", str(mlx_vlm.__version__))[:3])
+def _main_forces_reload(module) -> bool:
+    """Whether this mlx-vlm's server ``main()`` always runs uvicorn with ``reload=True`` (0.3.x's
+    does): the hook looked for is ``reload=True`` in the source of ``mlx_vlm.server.main``."""
+    try:
+        return "reload=True" in inspect.getsource(module.main)
+    except (OSError, TypeError):  # no source to read: run main() as it is
+        return False
 
 
 def _server_module():
@@ -521,7 +524,7 @@ def cmd_server(args: argparse.Namespace, rest: List[str]) -> int:
             # mlx-vlm declares MAX_IMAGES = 10 per request (every pin to 0.7.10) but never enforces it.
             limit = args.max_images if args.max_images is not None else int(getattr(module, "MAX_IMAGES", 10))
             server_guard.install(module.app, limit)
-    if _mlx_vlm_version() < (0, 4):
+    if _main_forces_reload(module):
         return _legacy_server(module, rest)
     sys.argv = ["mlx_vlm.server", *rest]
     module.main()

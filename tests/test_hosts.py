@@ -24,15 +24,15 @@ import textwrap
 from pathlib import Path
 from typing import Dict, List
 
-import mlx_vlm
 import pytest
 from _cli import greedy_cli_output  # noqa: E402
-from packaging.version import Version
+from vendored import upstream_ships
 
 import compass_compat
 from compass_compat import startup
 
-UPSTREAM_SHIPS = Version(str(mlx_vlm.__version__)) >= Version("0.6.13")  # first release with cohere_compass
+# Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
+UPSTREAM_SHIPS = upstream_ships()
 PROMPT = "Describe the image."
 MAX_TOKENS = 8
 HEAVY = ("compass_compat", "mlx", "mlx_vlm", "transformers", "numpy", "PIL")

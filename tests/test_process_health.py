@@ -35,11 +35,51 @@ TOKENS = 12
 REQUESTS = [("text", "Hello there!", None), ("image", "What is in the picture?", IMAGE)]
 TEXT_ONLY = REQUESTS[:1]
 THREAD_ROUNDS = 2
-# Before mlx 0.32 threads evaluating at once crash the process: mlx 0.30 (the 0.3.9 pin) with
-# four threads of plain nn.Linear + item() (segfault in 4 of 10 runs), mlx 0.31.2 (the 0.4.4
-# pins) in this test's four-thread run (SIGSEGV in 3 CI runs; plain MLX only aborted at exit).
-# There the threads take turns; from mlx 0.32 they run at once (never failed in CI).
-CONCURRENT_THREADS = rel.MLX_VERSION >= (0, 32)
+
+
+def streams_belong_to_their_thread() -> bool:
+    """Whether this mlx keeps streams per thread (mlx 0.32 on): a stream made in this thread
+    cannot be evaluated on from another one (the hook looked for: that RuntimeError)."""
+    import threading
+
+    stream, errors = mx.new_stream(mx.cpu), []
+
+    def run():
+        try:
+            with mx.stream(stream):
+                mx.eval(mx.zeros(2) + 1)
+        except RuntimeError as err:
+            errors.append(err)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return bool(errors)
+
+
+def mlx_vlm_stream_is_thread_local() -> bool:
+    """Whether mlx-vlm makes its generation stream with ``mx.new_thread_local_stream`` (0.6 on; 0.3.9
+    and 0.4.4 make one module-level ``mx.new_stream`` at import): the hook looked for is that call in
+    the source of the module defining ``generation_stream``."""
+    import importlib
+    import inspect
+
+    for name in ("mlx_vlm.generate.common", "mlx_vlm.generate"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "generation_stream"):
+            return "new_thread_local_stream" in inspect.getsource(module)
+    return False
+
+
+# Without per-thread streams, threads evaluating at once crash the process: mlx 0.30 (the 0.3.9
+# pin) with four threads of plain nn.Linear + item() (segfault in 4 of 10 runs), mlx 0.31.2 (the
+# 0.4.4 pins) in this test's four-thread run (SIGSEGV in 3 CI runs; plain MLX only aborted at
+# exit). There the threads take turns; with per-thread streams (mlx 0.32) they run at once
+# (never failed in CI).
+CONCURRENT_THREADS = streams_belong_to_their_thread()
 
 FRESH_SCRIPT = textwrap.dedent(
     """
@@ -342,9 +382,9 @@ THREADS_SCRIPT = textwrap.dedent(
 def test_four_threads_each_patch_load_and_generate(runs, fresh):
     report = runs["threads"]
     # mlx 0.32 made streams per thread; mlx-vlm < 0.6 keeps a module-level stream, so with
-    # mlx >= 0.32 its stream_generate cannot run outside the importing thread (measured:
+    # per-thread streams its stream_generate cannot run outside the importing thread (measured:
     # mlx-vlm 0.4.4 fails with mlx 0.32.4, works with mlx 0.31.2, what its hosts resolve).
-    mlx_vlm_threadsafe_stream = rel.MLX_VLM_VERSION >= (0, 6) or rel.MLX_VERSION < (0, 32)
+    mlx_vlm_threadsafe_stream = mlx_vlm_stream_is_thread_local() or not streams_belong_to_their_thread()
     if mlx_vlm_threadsafe_stream:
         assert report["stream_error"] is None  # stream_generate itself ran in the threads
     else:

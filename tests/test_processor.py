@@ -20,6 +20,7 @@ from pathlib import Path
 import _unpatched  # scripts/_unpatched.py (tests/conftest.py puts scripts/ on the path)
 import numpy as np
 import pytest
+from _reference_probe import reference_problem
 from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from PIL import Image
 from vendored import VENDORED_DIR, by_path
@@ -40,13 +41,11 @@ USER_IMAGE = {"type": "image"}
 def reference_module(name: str):
     # transformers ships cohere_compass before 5.21, but its image processor differs there
     # (measured with 5.17: LA/RGBA/palette/colour-key/1-channel images give other pixels, and
-    # call-time min/max_pixels apply only as a pair); the reference is what 5.21+ does, so an
-    # older one is skipped like a missing one.
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version("5.21"):
-        pytest.skip(f"{REFERENCE_REASON} (transformers {transformers.__version__})")
+    # call-time min/max_pixels apply only as a pair); such a one is skipped like a missing one
+    # (tests/_reference_probe.py looks for the behaviour).
+    problem = reference_problem()
+    if problem is not None:
+        pytest.skip(f"{REFERENCE_REASON}: {problem}")
     try:
         return importlib.import_module(f"transformers.models.cohere_compass.{name}")
     except ImportError:

@@ -6,18 +6,22 @@ converter picks them (the vision tower stays float32). A mode either loads and m
 unquantized model holding ``mx.dequantize`` of the same weights (in the dtype it returns:
 float32 for affine, bfloat16 for the fp modes, whose ``QuantizedEmbedding`` lookups are
 bfloat16 too, so the fp-mode model's activations are bfloat16), or is refused by the checkpoint
-checks before mlx-vlm's loader reads anything, with an error naming the mode and the pin.
+checks before mlx-vlm's loader reads anything, with an error naming the mode, the pin and what
+the probe measured.
 
-Which pins refuse what was measured (mlx-vlm, mlx): 0.3.9's ``load_model`` calls
-``nn.quantize`` without ``mode`` (the folder then fails with "Missing N parameters ...
-biases"); mlx 0.30.0's CPU ``quantized_matmul`` disagrees with ``mx.dequantize`` for mxfp8 and
-nvfp4 (test_mlx_kernels_agree_with_dequantize shows both facts on the pin that has them).
+What is refused is decided by the probes of the running install (compass_compat/probes.py), not
+by version numbers: the loader probe (does mlx-vlm's load_model pass the mode to
+``mlx.nn.quantize``?) and the kernel probe (does ``quantized_matmul`` agree with the dequantized
+product on the default device?). Both verdicts are checked here against real loads, against the
+version thresholds they replaced (on the matrix stacks where those were measured), and against
+monkeypatched kernels and loaders that are wrong or right on purpose.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 from importlib.metadata import version
 
@@ -29,6 +33,9 @@ from _mlx import answer_ids, chat_prompt, load
 from _quant import quantize_folder
 from vendored import vendored
 
+from compass_compat import probes
+from compass_compat.checkpoint_checks import CheckpointError, validate_checkpoint
+
 vendored()
 
 MODES = {  # fixture name: (mode, group_size, bits)
@@ -38,18 +45,49 @@ MODES = {  # fixture name: (mode, group_size, bits)
     "mxfp8": ("mxfp8", 32, 8),
     "nvfp4": ("nvfp4", 16, 4),
 }
-# Measured per (mlx-vlm, mlx): the modes that cannot load. Every other pin loads all of them.
-REFUSED = {("0.3.9", "0.30.0"): {"mxfp4", "mxfp8", "nvfp4"}}
-BROKEN_KERNELS = {"0.30.0": {"mxfp8", "nvfp4"}}  # mlx versions whose CPU matmul is wrong
+FP_MODES = sorted(name for name, (mode, _, _) in MODES.items() if mode != "affine")
 # Max |quantized - dequantized| logits: 0 measured for every mode on every pin that loads it
 # (logit range ~20); the margin allows another accumulation order in a future mlx.
 TOL = 1e-4
 PIN = (version("mlx-vlm"), version("mlx"))
 PROMPT = "Describe the image."
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# The version thresholds the probes replaced, measured on the matrix's stacks only (CPU): mlx-vlm
+# 0.3.9's loader drops the mode (0.4.4's passes it); mlx 0.30.0's CPU quantized_matmul is wrong for
+# mxfp8 and nvfp4 (0.31.2's is right). Kept as data, to check the probes give the same verdicts there.
+OLD_MIN_MLX_VLM = (0, 4, 4)
+OLD_MIN_MLX = {"mxfp4": (0, 30, 0), "mxfp8": (0, 31, 2), "nvfp4": (0, 31, 2)}
+
+
+def _version_tuple(text: str):
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def matrix_stacks() -> set:
+    """(mlx-vlm, mlx) of every matrix environment, from the committed scripts/constraints records."""
+    stacks = set()
+    for path in (REPO / "scripts" / "constraints").glob("mlxvlm-*.txt"):
+        pins = dict(re.findall(r"^(mlx-vlm|mlx)==([^\s#]+)", path.read_text(), re.M))
+        if "mlx-vlm" in pins and "mlx" in pins:
+            stacks.add((pins["mlx-vlm"], pins["mlx"]))
+    return stacks
 
 
 def refused(name: str) -> bool:
-    return name in REFUSED.get(PIN, set())
+    """Whether the checkpoint checks refuse this mode here: what the probes measured."""
+    mode, group, bits = MODES[name]
+    if mode == "affine":
+        return False
+    return probes.loader_passes_mode(mode, group, bits).broken or probes.quant_kernel(mode, group, bits).broken
+
+
+@pytest.fixture
+def fresh_probes():
+    """Probes measure again inside the test and forget what a monkeypatched run measured."""
+    probes.clear_cache()
+    yield
+    probes.clear_cache()
 
 
 def dequantize_folder(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -110,21 +148,124 @@ def greedy_tokens(path: pathlib.Path, image, max_tokens: int = 8):
     return answer_ids(path, PROMPT, image, max_tokens)
 
 
-@pytest.mark.parametrize("name", sorted(MODES))
-def test_mlx_kernels_agree_with_dequantize(name):
-    """The measured fact behind the mlx part of the rule, on this pin's mlx."""
+@pytest.mark.parametrize("name", FP_MODES)
+def test_kernel_probe_reports_what_numpy_measures(fresh_probes, name):
+    """The kernel probe's verdict equals an independent float64 product of the dequantized weights."""
     mode, group, bits = MODES[name]
-    w = mx.random.normal((64, 256), key=mx.random.key(0))
-    x = mx.random.normal((3, 256), key=mx.random.key(1))
-    q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-    biases = q[2] if mode == "affine" else None
-    got = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True, group_size=group, bits=bits, mode=mode)
-    want = x @ mx.dequantize(q[0], q[1], biases, group_size=group, bits=bits, mode=mode).T
-    diff = mx.abs(got - want).max().item()
-    if name in BROKEN_KERNELS.get(PIN[1], set()):
-        assert diff > 1.0, f"mlx {PIN[1]} {name}: kernels now agree ({diff:.3g}); drop the refusal"
+    w = mx.random.normal((64, 256), key=mx.random.key(7))
+    x = mx.random.normal((3, 256), key=mx.random.key(8))
+    wq, scales = mx.quantize(w, group_size=group, bits=bits, mode=mode)[:2]
+    got = np.array(mx.quantized_matmul(x, wq, scales, None, transpose=True, group_size=group, bits=bits, mode=mode))
+    dense = np.array(mx.dequantize(wq, scales, None, group_size=group, bits=bits, mode=mode).astype(mx.float32))
+    want = np.array(x).astype(np.float64) @ dense.astype(np.float64).T
+    right = float(np.abs(got - want).max()) <= probes.KERNEL_RTOL * float(np.abs(want).max())
+    probe = probes.quant_kernel(mode, group, bits)
+    print(f"\n[quant probe] {probe.evidence}")
+    assert probe.ok is right, probe.evidence
+
+
+@pytest.mark.parametrize("name", FP_MODES)
+def test_probe_verdict_equals_the_old_threshold_on_the_matrix(name):
+    """On CPU, on every matrix stack (where the thresholds were measured), probe and threshold agree."""
+    mode, group, bits = MODES[name]
+    loader, kernel = probes.loader_passes_mode(mode, group, bits), probes.quant_kernel(mode, group, bits)
+    if mx.default_device() != mx.cpu:
+        pytest.skip(f"the thresholds were measured on CPU; default device {mx.default_device()}")
+    if PIN not in matrix_stacks():
+        pytest.skip(
+            f"mlx-vlm {PIN[0]} with mlx {PIN[1]} is no matrix stack (no threshold was measured here); "
+            f"the probes say: {loader.evidence}; {kernel.evidence}"
+        )
+    old_loader_refuses = _version_tuple(PIN[0]) < OLD_MIN_MLX_VLM
+    old_kernel_refuses = _version_tuple(PIN[1]) < OLD_MIN_MLX[mode]
+    print(f"\n[quant probe] {PIN}: {loader.evidence}; {kernel.evidence}")
+    assert loader.broken == old_loader_refuses, loader.evidence
+    assert kernel.broken == old_kernel_refuses, kernel.evidence
+    assert refused(name) == (old_loader_refuses or old_kernel_refuses)
+
+
+def test_probes_run_once_per_process(fresh_probes, monkeypatch):
+    first = probes.quant_kernel("mxfp4", 32, 4), probes.loader_passes_mode("mxfp4", 32, 4)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("a cached probe measured again")
+
+    monkeypatch.setattr(mx, "quantize", measured_again)
+    monkeypatch.setattr(mx, "save_safetensors", measured_again)
+    assert (probes.quant_kernel("mxfp4", 32, 4), probes.loader_passes_mode("mxfp4", 32, 4)) == first
+
+
+def _off_by_a_tenth(real):
+    def kernel(*args, **kwargs):
+        return real(*args, **kwargs) * 1.1  # 10% off: a wrong kernel that still looks plausible
+
+    return kernel
+
+
+def _by_dequantize(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, mode="affine", **_):
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(mx.float32)
+    return x @ (dense.T if transpose else dense)  # a right kernel, whatever this mlx's own does
+
+
+@pytest.mark.parametrize("name", FP_MODES)
+def test_wrong_kernel_is_caught_and_right_one_let_through(folders, fresh_probes, monkeypatch, name):
+    mode, group, bits = MODES[name]
+    quantized, _ = folders[name]
+    loader_broken = probes.loader_passes_mode(mode, group, bits).broken
+    real = mx.quantized_matmul
+
+    monkeypatch.setattr(mx, "quantized_matmul", _off_by_a_tenth(real))
+    probe = probes.quant_kernel(mode, group, bits)
+    assert probe.ok is False and "beyond" in probe.evidence, probe.evidence
+    with pytest.raises(CheckpointError) as info:
+        validate_checkpoint(quantized)
+    message = str(info.value)
+    assert f"mode '{mode}'" in message and "kernels compute wrong results" in message
+    assert probe.evidence in message  # what was measured
+
+    probes.clear_cache()
+    monkeypatch.setattr(mx, "quantized_matmul", _by_dequantize)
+    probe = probes.quant_kernel(mode, group, bits)
+    assert probe.ok is True, probe.evidence
+    if loader_broken:  # 0.3.9: still refused, for the loader alone
+        with pytest.raises(CheckpointError) as info:
+            validate_checkpoint(quantized)
+        assert "loader quantizes the model without the mode" in str(info.value)
+        assert "kernels" not in str(info.value)
     else:
-        assert diff < 1e-4, f"mlx {PIN[1]} {name}: quantized_matmul vs dequantize differ by {diff:.3g}"
+        validate_checkpoint(quantized)
+
+
+def _fake_loader(passes_mode: bool, quantizes: bool = True):
+    def load_model(model_path, *args, **kwargs):
+        q = json.loads((pathlib.Path(model_path) / "config.json").read_text())["quantization"]
+        if quantizes:
+            extra = {"mode": q["mode"]} if passes_mode else {}
+            nn.quantize(nn.Linear(64, 64), group_size=q["group_size"], bits=q["bits"], **extra)
+        raise RuntimeError("a fake loader stops here")
+
+    return load_model
+
+
+def test_loader_that_drops_the_mode_is_caught_and_one_that_passes_it_let_through(folders, fresh_probes, monkeypatch):
+    import mlx_vlm.utils
+
+    mode, group, bits = MODES["mxfp4"]
+    quantized, _ = folders["mxfp4"]
+    kernel_broken = probes.quant_kernel(mode, group, bits).broken
+    monkeypatch.setattr(mlx_vlm.utils, "load_model", _fake_loader(passes_mode=False))
+    probe = probes.loader_passes_mode(mode, group, bits)
+    assert probe.ok is False and "mode='<no mode keyword>'" in probe.evidence, probe.evidence
+    with pytest.raises(CheckpointError, match="loader quantizes the model without the mode"):
+        validate_checkpoint(quantized)
+
+    for fake, want in ((_fake_loader(passes_mode=True), True), (_fake_loader(True, quantizes=False), None)):
+        probes.clear_cache()
+        monkeypatch.setattr(mlx_vlm.utils, "load_model", fake)
+        probe = probes.loader_passes_mode(mode, group, bits)
+        assert probe.ok is want, probe.evidence  # None: never saw quantize, so refuses nothing
+        if not kernel_broken:
+            validate_checkpoint(quantized)
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
@@ -156,13 +297,21 @@ def test_mode_is_refused_up_front(folders, monkeypatch, name):
     import mlx_vlm
     import mlx_vlm.utils
 
-    from compass_compat.checkpoint_checks import CheckpointError
-
-    quantized, _ = folders[name]
+    mode, group, bits = MODES[name]
+    loader, kernel = probes.loader_passes_mode(mode, group, bits), probes.quant_kernel(mode, group, bits)
+    quantized, dense = folders[name]
     original = mlx_vlm.utils.load_model.__wrapped__  # the pin's loader, without the shim's check
-    # The failure the refusal replaces: affine quantization of the mode's weights.
-    with pytest.raises(Exception, match=r"(?i)missing \d+ parameters|group size \d+ is not supported"):
-        original(quantized)
+    # The failure the refusal replaces: affine layers for the mode's weights (a loud failure), or a
+    # model that loads and computes wrong logits (a silent one).
+    if loader.broken:
+        with pytest.raises(Exception, match=r"(?i)missing \d+ parameters|group size \d+ is not supported"):
+            original(quantized)
+    else:
+        monkeypatch.setattr("compass_compat.checkpoint_checks._check_mode", lambda *a, **k: None)
+        got, want = prefill_logits(quantized, None), prefill_logits(dense, None)  # past the check, once
+        monkeypatch.undo()
+        diff = float(np.abs(got - want).max())
+        assert diff > 100 * TOL, f"{name}: the kernel probe refused a mode whose logits match ({diff:.3g})"
 
     def loader_ran(*args, **kwargs):
         raise AssertionError("mlx-vlm's loader read the folder before the check refused it")
@@ -171,6 +320,7 @@ def test_mode_is_refused_up_front(folders, monkeypatch, name):
     with pytest.raises(CheckpointError) as info:
         mlx_vlm.load(str(quantized))
     message = str(info.value)
-    mode = MODES[name][0]
     assert f"mode '{mode}'" in message and f"mlx-vlm {PIN[0]}" in message and f"mlx {PIN[1]}" in message
-    assert "mlx-vlm >= 0.4.4" in message and "affine conversion" in message
+    assert "measured:" in message and "affine conversion" in message
+    for probe in (loader, kernel):
+        assert (probe.evidence in message) == probe.broken

@@ -24,8 +24,8 @@ import mlx_vlm.models
 import pytest
 from mlx_vlm import prompt_utils
 from mlx_vlm.utils import get_model_and_args
-from packaging.version import Version
 from transformers import AutoProcessor
+from vendored import upstream_ships
 
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"
 VENDORED_PKG = compass_compat.vendor_root() / "mlx_vlm" / "models" / "cohere_compass"
 MLX_VLM_VERSION = str(mlx_vlm.__version__)
-# mlx-vlm 0.6.13 is the first release with its own models/cohere_compass.
-UPSTREAM_SHIPS = Version(MLX_VLM_VERSION) >= Version("0.6.13")
+# Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
+UPSTREAM_SHIPS = upstream_ships()
 FORCED_BY_ENV = os.environ.get(compass_compat.FORCE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 DEFAULT_LIVE = "vendored" if FORCED_BY_ENV or not UPSTREAM_SHIPS else "upstream"
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None

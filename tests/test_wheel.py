@@ -19,14 +19,13 @@ import zipfile
 from pathlib import Path
 from typing import Any, Dict
 
-import mlx_vlm
 import pytest
-from packaging.version import Version
+from vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
-# mlx-vlm 0.6.13 is the first release with its own models/cohere_compass.
-UPSTREAM_SHIPS = Version(str(mlx_vlm.__version__)) >= Version("0.6.13")
+# Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
+UPSTREAM_SHIPS = upstream_ships()
 
 
 def run(cmd: list, **kwargs: Any) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -11,6 +12,13 @@ import pytest
 
 PACKAGE = "mlx_vlm.models.cohere_compass"
 VENDORED_DIR = Path(__file__).resolve().parents[1] / "vendor" / "mlx_vlm" / "models" / "cohere_compass"
+
+
+def upstream_ships() -> bool:
+    """Whether the installed mlx-vlm ships its own ``models/cohere_compass`` (pip's record of the
+    distribution's files; independent of the shim's own lookup, which the tests check)."""
+    files = importlib.metadata.files("mlx-vlm") or []
+    return any(str(f).replace("\\", "/") == "mlx_vlm/models/cohere_compass/__init__.py" for f in files)
 
 
 def is_vendored_file(path: str) -> bool:

@@ -1,0 +1,151 @@
+"""Probes of the running install: what it can do, measured, instead of assumed from version numbers.
+
+Each probe runs at most once per process (cached) and returns a :class:`Probe`: ``ok`` (True:
+works, False: measured broken, None: could not be observed), and ``evidence``, the measurement
+in words, which errors quote.
+
+- :func:`quant_kernel`: quantize a small matrix in a mode with ``mx.quantize`` and compare
+  ``mx.quantized_matmul`` on the default device with the product of ``mx.dequantize``'s
+  weights. mlx 0.30.0's CPU kernels compute wrong mxfp8 and nvfp4 products (differences above
+  1 on values of about 16); an mlx without the mode raises, which counts as broken too.
+- :func:`loader_passes_mode`: whether mlx-vlm's ``load_model`` builds the quantized layers in
+  the checkpoint's mode. It runs the installed loader (without compass-compat's guard) on a
+  folder holding only a tiny ``cohere_compass`` config with a ``quantization`` block and an
+  empty weight file, and stops it at its ``mlx.nn.quantize`` call, recording the keywords
+  (mlx-vlm 0.3.9 passes no ``mode``, so mxfp4 weights meet affine layers).
+
+``clear_cache()`` forgets every verdict (tests that swap a kernel or a loader call it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+# Relative tolerance of the kernel probe: a correct kernel differs from the dequantized product
+# by accumulation order only (float32: ~1e-6 of the output's scale); mlx 0.30.0's wrong CPU
+# kernels are off by more than 5% of it.
+KERNEL_RTOL = 1e-3
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One measurement: ``ok`` True (works), False (broken), None (not observable); what was seen."""
+
+    name: str
+    ok: Optional[bool]
+    evidence: str
+
+    @property
+    def broken(self) -> bool:
+        """Only a measured failure counts; an unobservable probe refuses nothing."""
+        return self.ok is False
+
+
+@functools.lru_cache(maxsize=None)
+def quant_kernel(mode: str, group_size: int, bits: int) -> Probe:
+    """Whether ``mx.quantized_matmul`` in ``mode`` agrees with the dequantized product (default device)."""
+    import mlx.core as mx
+
+    name = f"quantized_matmul {mode} (group {group_size}, {bits}-bit) on {mx.default_device()}"
+    try:
+        w = mx.random.normal((64, 256), key=mx.random.key(0))
+        x = mx.random.normal((4, 256), key=mx.random.key(1))
+        parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+        wq, scales = parts[0], parts[1]
+        biases = parts[2] if len(parts) > 2 else None
+        got = mx.quantized_matmul(
+            x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+        ).astype(mx.float32)
+        dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits, mode=mode)
+        want = x @ dense.astype(mx.float32).T
+        diff = mx.abs(got - want).max().item()
+        scale = mx.abs(want).max().item()
+    except Exception as exc:  # no such mode, or a kernel that raises: broken either way
+        return Probe(name, False, f"{name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    ok = diff <= KERNEL_RTOL * max(scale, 1.0)
+    return Probe(
+        name,
+        ok,
+        f"{name}: max|quantized_matmul - x @ dequantize(w).T| = {diff:.3g} on outputs up to {scale:.3g} "
+        f"({'within' if ok else 'beyond'} {KERNEL_RTOL:g} of that)",
+    )
+
+
+class _Stop(Exception):
+    """Raised by the spy to stop the loader at its quantize call."""
+
+
+def _tiny_config(quantization: Dict[str, Any]) -> Dict[str, Any]:
+    from .tiny import tiny_config
+
+    config = tiny_config()
+    config["quantization"] = dict(quantization)
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
+    """Whether mlx-vlm's ``load_model`` hands the checkpoint's quantization mode to ``mlx.nn.quantize``."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    try:
+        import mlx_vlm.utils as utils
+    except Exception as exc:
+        return Probe("mlx-vlm's load_model", None, f"mlx_vlm.utils did not import: {type(exc).__name__}: {exc}")
+    loader = utils.load_model
+    while getattr(loader, "__compass_compat__", False) and hasattr(loader, "__wrapped__"):
+        loader = loader.__wrapped__  # compass-compat's guard would validate (and probe) again
+    name = f"mlx_vlm.utils.load_model (mode {mode})"
+    seen: Dict[str, Any] = {}
+    me = threading.get_ident()
+    real = nn.quantize
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != me:  # another thread's quantize is not ours to stop
+            return real(*args, **kwargs)
+        seen.update(kwargs)
+        seen["called"] = True
+        raise _Stop
+
+    with tempfile.TemporaryDirectory(prefix="compass-probe-") as tmp:
+        folder = Path(tmp)
+        quant = {"group_size": group_size, "bits": bits, "mode": mode}
+        (folder / "config.json").write_text(json.dumps(_tiny_config(quant)), encoding="utf-8")
+        mx.save_safetensors(str(folder / "model.safetensors"), {}, metadata={"format": "mlx"})
+        nn.quantize = spy
+        try:
+            loader(folder)
+        except _Stop:
+            pass
+        except Exception as exc:
+            if not seen:
+                return Probe(
+                    name,
+                    None,
+                    f"{name} failed before quantizing ({type(exc).__name__}: {str(exc)[:200]}); not observed",
+                )
+        finally:
+            nn.quantize = real
+    if not seen:
+        return Probe(name, None, f"{name} never called mlx.nn.quantize (the hook looked for); not observed")
+    got = seen.get("mode", "<no mode keyword>")
+    ok = got == mode
+    return Probe(
+        name,
+        ok,
+        f"{name} called mlx.nn.quantize with mode={got!r}"
+        + ("" if ok else f", so the {mode} weights meet {'affine' if got == '<no mode keyword>' else got} layers"),
+    )
+
+
+def clear_cache() -> None:
+    """Forget every cached verdict (the next call measures again)."""
+    quant_kernel.cache_clear()
+    loader_passes_mode.cache_clear()
