@@ -103,7 +103,18 @@ def default_checkpoint_problem(path: Path) -> Optional[str]:
             return f"{name} is missing"
         if _sha256(path / name) != digest:
             return f"{name} changed since it was built"
-    return None if meta.get("sha256") else f"{MARKER} lists no files"
+    if not meta.get("sha256"):
+        return f"{MARKER} lists no files"
+    # A package upgrade can ship retrained toy weights under the same folder name.
+    if meta.get("trained_weights_sha256") != _trained_weights_sha256():
+        return "built from other toy weights than this compass-compat ships"
+    return None
+
+
+def _trained_weights_sha256() -> str:
+    from .toy import WEIGHTS_FILE
+
+    return _sha256(WEIGHTS_FILE) if WEIGHTS_FILE.is_file() else "missing"
 
 
 def ensure_default_checkpoint() -> Path:
@@ -134,6 +145,7 @@ def ensure_default_checkpoint() -> Path:
             "built_by": f"compass-compat {__version__}",
             "weights": "trained toy (compass_compat/data/toy_shapes, scripts/train_toy.py)",
             "sha256": {name: _sha256(staging / name) for name in files},
+            "trained_weights_sha256": _trained_weights_sha256(),
         }
         (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         log("  [3/3] moving it into place")

@@ -111,6 +111,21 @@ def test_a_damaged_default_checkpoint_is_rebuilt(tmp_path, monkeypatch, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folders left behind"
 
 
+def test_a_default_checkpoint_built_from_older_toy_weights_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """An upgrade that ships retrained weights must not keep answering with the cached old ones."""
+    from compass_compat import toy
+
+    monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
+    ckpt = cli.ensure_default_checkpoint()
+    original = toy.WEIGHTS_FILE
+    shipped = tmp_path / "retrained.safetensors"
+    shipped.write_bytes(toy.WEIGHTS_FILE.read_bytes() + b" ")  # any other bytes
+    monkeypatch.setattr(toy, "WEIGHTS_FILE", shipped)
+    assert cli.default_checkpoint_problem(ckpt) == "built from other toy weights than this compass-compat ships"
+    monkeypatch.setattr(toy, "WEIGHTS_FILE", original)
+    assert cli.default_checkpoint_problem(ckpt) is None
+
+
 def _reference_text(case, tokenizer_dir: Path) -> str:
     from transformers import PreTrainedTokenizerFast
 

@@ -210,6 +210,19 @@ def test_missing_opencv_is_named(tmp_path, monkeypatch, clip_files):
         probe(str(path))
 
 
+def test_the_named_extra_installs_opencv():
+    """The hint names an extra; pyproject.toml must declare it with the package mlx-vlm reads videos with."""
+    import re
+    import tomllib
+
+    from compass_compat.video_files import INSTALL_HINT
+
+    extra = re.search(r"compass-compat\[(\w+)\]", INSTALL_HINT).group(1)
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    wanted = project["optional-dependencies"][extra]
+    assert any(re.match(r"opencv-python\b", req) for req in wanted), wanted
+
+
 def test_cli_video_output_is_the_same_in_process_and_as_a_command(toy_ckpt, clip_files):
     """The in-process runs above are what the command prints (one subprocess, one case)."""
     import subprocess
