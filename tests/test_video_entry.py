@@ -213,6 +213,7 @@ def test_missing_opencv_is_named(tmp_path, monkeypatch, clip_files):
 def test_the_named_extra_installs_opencv():
     """The hint names an extra; pyproject.toml must declare it with the package mlx-vlm reads videos with."""
     import re
+
     import tomllib
 
     from compass_compat.video_files import INSTALL_HINT
