@@ -35,6 +35,10 @@ Requests (images travel as base64 data URIs, image part first, then one text par
   e  request a again                                      (vision-feature cache hit)
   f1-f3  three different requests at once (two images the server has not seen, one text-only,
          prompts of different lengths)
+  v  a video_url part (the demo clip) + "Describe this picture.": oMLX 0.7.0 drops video parts
+     before mlx-vlm sees them (docs/hosts.md), so this request is expected to be answered, and
+     its prompt built, exactly as the same text without the video; when oMLX starts passing
+     videos this request fails and the docs need the new behaviour
 
 Matching: `got` must equal `expected` exactly, or after str.strip() of both ("yes, trimmed"):
 oMLX's non-streaming reply is `clean_special_tokens(text)`, which strips surrounding whitespace.
@@ -84,9 +88,12 @@ class Case:
     stream: bool = False
     group: str = "sequential"  # "sequential" or "concurrent"
     what: str = ""
+    # Sent as video_url parts; the host is documented to drop them, so the reference is the
+    # same request without them.
+    dropped_videos: List[str] = field(default_factory=list)
 
-    def key(self) -> Tuple[Tuple[str, ...], str]:
-        return tuple(self.images), self.text
+    def key(self) -> Tuple[Tuple[str, ...], str, Tuple[str, ...]]:
+        return tuple(self.images), self.text, tuple(self.dropped_videos)
 
 
 @dataclass
@@ -110,6 +117,7 @@ def make_cases() -> List[Case]:
     from compass_compat.cli import DEMO_IMAGE
 
     demo = str(DEMO_IMAGE)
+    clip = str(Path(DEMO_IMAGE).with_name("demo_clip.avi"))
     return [
         Case("a", [demo], "Describe this picture.", what="image + text"),
         Case("b", [], "Say hello.", what="text only"),
@@ -142,13 +150,21 @@ def make_cases() -> List[Case]:
             group="concurrent",
             what="concurrent: image + short text",
         ),
+        Case(
+            "v",
+            [],
+            "Describe this picture.",
+            dropped_videos=[clip],
+            what="video part: oMLX drops it, = the text alone (documented)",
+        ),
     ]
 
 
 def request_body(case: Case, max_tokens: int) -> Dict[str, Any]:
     content: Any
-    if case.images:
+    if case.images or case.dropped_videos:
         content = [{"type": "image_url", "image_url": {"url": data_uri(p)}} for p in case.images]
+        content += [{"type": "video_url", "video_url": {"url": data_uri(p)}} for p in case.dropped_videos]
         content.append({"type": "text", "text": case.text})
     else:
         content = case.text
@@ -170,7 +186,8 @@ _URI_CACHE: Dict[str, str] = {}
 def data_uri(path: str) -> str:
     if path not in _URI_CACHE:
         raw = Path(path).read_bytes()
-        _URI_CACHE[path] = "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
+        mime = "video/x-msvideo" if path.endswith(".avi") else "image/png"
+        _URI_CACHE[path] = f"data:{mime};base64," + base64.b64encode(raw).decode("ascii")
     return _URI_CACHE[path]
 
 
@@ -731,7 +748,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         first = checks[cases[0].name]
         if "prompt_host" in first:
             log(f"host prompt of request {cases[0].name}: {first['prompt_host']!r}")
-        text_case = next(c for c in cases if not c.images)
+        text_case = next(c for c in cases if not c.images and not c.dropped_videos)
         if "prompt_host" in checks[text_case.name]:
             log(f"host prompt of request {text_case.name}: {checks[text_case.name]['prompt_host']!r}")
 
