@@ -194,9 +194,9 @@ def short_of_target(cells, why: str):
     return [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=why)) if c in cells else c for c in CELLS]
 
 
-# Measured on toy v3 stage 8 (tests/fixtures/toy_reference.json, 10 pictures per cell): Pillow-drawn
+# Measured on toy v3 stage 9 (tests/fixtures/toy_reference.json, 10 pictures per cell): Pillow-drawn
 # 320-448 px pictures: boxes 7 of 10 hit (target 80%). Every other cell meets the targets.
-BOXES_SHORT = {("320-448", "pil"): "toy v3 stage 8: boxes hit 7/10 on Pillow-drawn 320-448 px pictures (target 80%)"}
+BOXES_SHORT = {("320-448", "pil"): "toy v3 stage 9: boxes hit 7/10 on Pillow-drawn 320-448 px pictures (target 80%)"}
 
 
 @pytest.mark.parametrize("bucket, renderer", CELLS)
