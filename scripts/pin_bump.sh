@@ -191,6 +191,10 @@ fi
 # The reference: the same command in a matrix environment on this checkout (cached per clean commit).
 start=$(now)
 matrix_py="${PIN_BUMP_MATRIX_PYTHON:-$(env_dir "$matrix_env")/bin/python}"
+# A given interpreter names its own environment in the report and the cache key.
+if [ -n "${PIN_BUMP_MATRIX_PYTHON:-}" ]; then
+  matrix_env="$(basename "$(dirname "$(dirname "$matrix_py")")")"; matrix_env="${matrix_env#mlxvlm-}"
+fi
 cache="$home/matrix-text/${commit}-${matrix_env}"
 if [ $clean = 1 ] && [ -f "$cache.rc" ] && [ "$(cat "$cache.rc")" = 0 ]; then
   cp "$cache.txt" "$work/generate-matrix.txt"; cp "$cache.rc" "$work/generate-matrix.rc"
