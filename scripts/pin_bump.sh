@@ -22,7 +22,8 @@
 # The environment lives in build/pin-bump/env-<version> (ignored by git), raw outputs in
 # build/pin-bump/<version>/.
 #
-# Then, from this checkout (editable install):
+# Then, from this checkout (editable install; it tests the working tree as it is, so do not edit
+# the checkout while it runs: release_sweep.sh snapshots HEAD instead):
 #   1. python -m compass_compat.checklist --json, --implementation upstream and vendored;
 #   2. the vendored test suite (COMPASS_COMPAT_FORCE_VENDORED=1 where upstream ships cohere_compass,
 #      as the matrix runs it; torch modules skip by themselves;
