@@ -58,6 +58,7 @@ import base64
 import contextlib
 import io
 import json
+import mimetypes
 import os
 import shutil
 import signal
@@ -186,7 +187,7 @@ _URI_CACHE: Dict[str, str] = {}
 def data_uri(path: str) -> str:
     if path not in _URI_CACHE:
         raw = Path(path).read_bytes()
-        mime = "video/x-msvideo" if path.endswith(".avi") else "image/png"
+        mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         _URI_CACHE[path] = f"data:{mime};base64," + base64.b64encode(raw).decode("ascii")
     return _URI_CACHE[path]
 
