@@ -188,17 +188,6 @@ def test_mlx_answers_equal_transformers_greedy(toy_folders, float_ids):
     assert not differ, f"{len(differ)} answers differ from transformers' greedy answers: {differ[:5]}"
 
 
-def short_of_target(cells, why: str):
-    """CELLS, with the (bucket, renderer) cells the committed toy measurably misses marked as
-    strict xfails: the target stays, and a toy that reaches it turns the mark into a failure."""
-    return [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=why)) if c in cells else c for c in CELLS]
-
-
-# Measured on toy v3 stage 9 (tests/fixtures/toy_reference.json, 10 pictures per cell): Pillow-drawn
-# 320-448 px pictures: boxes 7 of 10 hit (target 80%). Every other cell meets the issue's targets.
-BOXES_SHORT = {("320-448", "pil"): "toy v3 stage 9: boxes hit 7/10 on Pillow-drawn 320-448 px pictures (target 80%)"}
-
-
 @pytest.mark.parametrize("bucket, renderer", CELLS)
 def test_float_accuracy(float_hits, bucket, renderer, record_property):
     """At least 90% exact on the describe, count and colour questions together, 85% on each."""
@@ -208,7 +197,7 @@ def test_float_accuracy(float_hits, bucket, renderer, record_property):
     assert overall >= MIN_EXACT and min(per_kind.values()) >= MIN_EXACT_PER_KIND, (overall, per_kind)
 
 
-@pytest.mark.parametrize("bucket, renderer", short_of_target(BOXES_SHORT, next(iter(BOXES_SHORT.values()))))
+@pytest.mark.parametrize("bucket, renderer", CELLS)
 def test_boxes_overlap_the_drawn_shape(float_hits, bucket, renderer, record_property):
     """The where answers, scaled to each picture's own width and height, hit the shape (IoU >= 0.5)."""
     got = share(float_hits, bucket=bucket, renderer=renderer, kind="where")
