@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -30,15 +29,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--cells", nargs="+", metavar="BUCKET:RENDERER", help="only these cells")
     args = parser.parse_args(argv)
     only = {tuple(c.split(":")) for c in args.cells} if args.cells else None
-    shapes, toy = tt.shapes, tt.toy
+    shapes = tt.shapes
     torch = _reference.deterministic_torch()
-    from safetensors.numpy import load_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = load_file(str(args.weights / toy.WEIGHTS_FILE.name))
-        checkpoint = toy.tiny.write_checkpoint(pathlib.Path(tmp), toy.toy_config(), weights)
-        model = _reference.load_model(checkpoint, f"the weights in {args.weights}")
-        ref = tt.Reference(checkpoint)
+    model, ref = tt.load_trained(args.weights)
     figures: dict = {}
     elongated: dict = {}
     answers_out: dict = {}
@@ -58,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             text = tt.decode(ref, tt.greedy(model, ref, q.prompt, pixels))
                             answers.append((example, kind, text))
                             answers_out.setdefault(f"{bucket} {renderer}", []).append([seed, example.index, kind, text])
-                            if kind == "where" and max(example.scene.size) >= 2 * min(example.scene.size):
+                            if kind == "where" and tt.is_elongated(example.scene.size):
                                 long_hits.append(tt.box_hit(text, q, example.scene.size))
                 scored = tt.score(answers)[bucket]
                 figures.setdefault(renderer, {})[bucket] = scored

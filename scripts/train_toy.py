@@ -165,6 +165,11 @@ def training_pictures(rng: np.random.Generator, count: int, elongated: bool = Fa
     return scenes, [shapes.render(scene, shapes.random_look(rng)) for scene in scenes]
 
 
+def is_elongated(size: Sequence[int]) -> bool:
+    """One side at least twice the other."""
+    return max(size) >= 2 * min(size)
+
+
 def elongated_size(rng: np.random.Generator) -> tuple:
     """A size whose longer side (256-448 px) is at least twice the shorter (128 px up): rare
     in ``shapes.random_size``, and where stage 9's held-out boxes missed most (4 of 9 such
@@ -431,7 +436,8 @@ def train(
     rng = np.random.default_rng(picture_seed)
     kind_rng = np.random.default_rng([SEED, stage])
     # Its own generator, so a stage without --elongated draws exactly the pictures it always did.
-    shape_rng = np.random.default_rng([SEED, stage, 2])
+    elongated_seed = [SEED, stage, 2]
+    elongated_rng = np.random.default_rng(elongated_seed)
     text_items = list(shapes.TEXT_ANSWERS.items())
     kind_p = np.divide(kind_weights, sum(kind_weights))
     curve, window, aux_window, pictures = [], [], [], 0
@@ -444,7 +450,7 @@ def train(
             inputs = batch_inputs(ref, [(p, a, None) for p, a in text_items])
             kinds, scenes = ["text"] * len(text_items), []
         else:
-            scenes, arrays = training_pictures(rng, BATCH, bool(elongated) and shape_rng.random() < elongated)
+            scenes, arrays = training_pictures(rng, BATCH, elongated_rng.random() < elongated)
             items, kinds = [], []
             for scene, pixels in zip(scenes, arrays):
                 q = shapes.questions(scene, rng)[kind_rng.choice(shapes.QUESTION_KINDS, p=kind_p)]
@@ -524,7 +530,7 @@ def train(
             f"its kind drawn with weights {dict(zip(shapes.QUESTION_KINDS, kind_weights))}; every "
             f"{TEXT_EVERY}th step the text-only prompts",
             "picture_seed": picture_seed,
-            **({"elongated_share": elongated, "elongated_seed": [SEED, stage, 2]} if elongated else {}),
+            **({"elongated_share": elongated, "elongated_seed": elongated_seed} if elongated else {}),
             "training_pictures": pictures,
             "eval_seed": shapes.EVAL_SEED,
             "test_seed": shapes.TEST_SEED,
@@ -664,19 +670,22 @@ def record_reference() -> dict:
     return out
 
 
+def load_trained(folder: pathlib.Path):
+    """(reference model, :class:`Reference`) for the toy weights in ``folder``."""
+    from safetensors.numpy import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = load_file(str(folder / toy.WEIGHTS_FILE.name))
+        checkpoint = toy.tiny.write_checkpoint(pathlib.Path(tmp), toy.toy_config(), weights)
+        return _reference.load_model(checkpoint, f"the weights in {folder}"), Reference(checkpoint)
+
+
 def find_demo(folder: pathlib.Path, count: int = 300) -> None:
     """Print the first 192 x 192 pictures of two or three shapes in distinct colours (seed 4,
     never used elsewhere) that the weights in ``folder`` answer right (exact text; the box with
     IoU >= 0.5), as ``shapes.Shape`` literals for ``DEMO_SCENE``."""
-    from safetensors.numpy import load_file
-
     torch = _reference.deterministic_torch()
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = toy.tiny.write_checkpoint(
-            pathlib.Path(tmp), toy.toy_config(), load_file(str(folder / toy.WEIGHTS_FILE.name))
-        )
-        model = _reference.load_model(checkpoint, f"the weights in {folder}")
-        ref = Reference(checkpoint)
+    model, ref = load_trained(folder)
     found = 0
     with torch.no_grad():
         for example in shapes.examples(4, count, varied=False):
