@@ -15,9 +15,9 @@ from ._patch import (
     implementation_info,
     is_compass_checkpoint,
     remove_patch,
-    vendor_root,
 )
 from .errors import CompassCompatError
+from .vendor import vendor_root
 
 __version__ = "0.1.0"
 

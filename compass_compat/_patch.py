@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 from .errors import CompassCompatError
+from .vendor import package_dir, vendor_root
 
 MODEL_TYPE = "cohere_compass"
 PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
@@ -107,27 +108,6 @@ class ImplementationInfo:
 
 
 # ---------------------------------------------------------------- locations
-
-
-def vendor_root() -> Path:
-    """The directory holding the vendored ``mlx_vlm/models/cohere_compass`` tree.
-
-    An installed wheel carries it as ``compass_compat/_vendor``; a source
-    checkout (or editable install) has it at ``<repo>/vendor``.
-    """
-    here = Path(__file__).resolve().parent
-    candidates = (here / "_vendor", here.parent / "vendor")
-    for root in candidates:
-        if (root / "mlx_vlm" / "models" / MODEL_TYPE / "__init__.py").is_file():
-            return root
-    raise CompassCompatError(
-        "compass-compat cannot find its vendored cohere_compass package; looked in "
-        + " and ".join(str(c / "mlx_vlm" / "models" / MODEL_TYPE) for c in candidates)
-    )
-
-
-def _vendored_package_dir() -> Path:
-    return vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE
 
 
 def _within(path: Optional[str], directory: Path) -> bool:
@@ -511,7 +491,7 @@ VIDEO_MODULE = f"{PACKAGE}.video_processing_{MODEL_TYPE}"
 
 def _vendored_is_live() -> bool:
     live = sys.modules.get(PACKAGE)
-    return live is not None and _within(getattr(live, "__file__", None), _vendored_package_dir())
+    return live is not None and _within(getattr(live, "__file__", None), package_dir())
 
 
 def _install_video_file_hook(undo: List[_Undo]) -> None:

@@ -54,12 +54,13 @@ import math
 import os
 import struct
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .weight_tree import weight_tree
+from compass_data.weight_tree import weight_tree
+
+from .vendor import file_module, package_dir
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
@@ -315,23 +316,9 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
     return []
 
 
-def _vendored_module(name: str):
-    """A module of the vendored package, loaded from its file without the package's
-    ``__init__`` (which imports mlx and mlx-vlm), so the checks need neither and work where
-    upstream's package is the live one. The modules load inside one stand-in package, so
-    their relative imports of each other resolve there."""
-    from ._patch import vendor_root
-
-    package = "compass_compat._checked_vendor"
-    if package not in sys.modules:
-        stand_in = sys.modules[package] = types.ModuleType(package)
-        stand_in.__path__ = [str(vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE)]
-    return importlib.import_module(f"{package}.{name}")
-
-
 def _config_module():
     # The vendored config.py: it imports only the standard library.
-    return _vendored_module("config")
+    return file_module("config")
 
 
 def _model_config(folder: Path, config: Dict[str, Any]):
@@ -388,13 +375,11 @@ def processing_module():
     """The vendored processing_cohere_compass module (its pixel-bound resolution is the one
     the processor, these checks and the checklist share): the live module when the vendored
     package is live, else loaded by path (upstream's package may be the live one)."""
-    from ._patch import vendor_root
-
-    path = (vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE / "processing_cohere_compass.py").resolve()
+    path = (package_dir() / "processing_cohere_compass.py").resolve()
     live = sys.modules.get(f"mlx_vlm.models.{MODEL_TYPE}.processing_cohere_compass")
     if live is not None and Path(getattr(live, "__file__", None) or "").resolve() == path:
         return live
-    return _vendored_module("processing_cohere_compass")
+    return file_module("processing_cohere_compass")
 
 
 def pixel_bounds(
@@ -567,7 +552,7 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
 
 def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """``{mlx key: (shape, kind)}`` of every parameter the model has for ``model_config``
-    (:func:`compass_compat.weight_tree.weight_tree`; kinds ``linear`` and ``embedding`` are
+    (:func:`compass_data.weight_tree.weight_tree`; kinds ``linear`` and ``embedding`` are
     quantizable, ``conv`` is the patch embedding in MLX layout). ``tied``: the head decision for
     the stored weights (``model_config.head_tied``); None means the head the config alone implies.
     """

@@ -4,7 +4,7 @@ Subcommands:
 
 - ``generate``: mlx-vlm's generate flags (``--model --image --prompt --max-tokens
   --temperature --top-p --top-k --seed ...``); without ``--model`` it builds (once) and uses the
-  toy default checkpoint (the tiny model trained on synthetic shapes, :mod:`compass_compat.toy`),
+  toy default checkpoint (the tiny model trained on synthetic shapes, :mod:`compass_data.toy`),
   without ``--image`` it uses the bundled demo picture (shapes the toy answers correctly). Sampling flags left out are filled in as the installed mlx-vlm's generate does.
   ``--draw-boxes OUT.png`` draws the answer's ``[x1, y1, x2, y2]`` boxes on a copy of the image.
 - ``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
@@ -112,7 +112,7 @@ def default_checkpoint_problem(path: Path) -> Optional[str]:
 
 
 def _trained_weights_sha256() -> str:
-    from .toy import WEIGHTS_FILE
+    from compass_data.toy import WEIGHTS_FILE
 
     return _sha256(WEIGHTS_FILE) if WEIGHTS_FILE.is_file() else "missing"
 
@@ -123,7 +123,7 @@ def ensure_default_checkpoint() -> Path:
     problem = default_checkpoint_problem(target)
     if problem is None:
         return target
-    from .toy import build_toy_checkpoint
+    from compass_data.toy import build_toy_checkpoint
 
     log(f"building the default checkpoint in {target} ({problem})")
     log("  the toy: tiny cohere_compass trained on synthetic shapes, original (CohereLabs) layout, float32")
@@ -135,15 +135,15 @@ def ensure_default_checkpoint() -> Path:
         build_toy_checkpoint(staging, layout="original", dtype="float32")
         (staging / "README.md").write_text(
             "# compass-compat default checkpoint\n\n" + TOY_NOTE + "\n\n"
-            f"Built by compass-compat {__version__} (`compass_compat.toy.build_toy_checkpoint`); "
-            "how the weights were trained: compass_compat/data/toy_shapes/provenance.json.\n",
+            f"Built by compass-compat {__version__} (`compass_data.toy.build_toy_checkpoint`); "
+            "how the weights were trained: compass_data/toy_shapes/provenance.json.\n",
             encoding="utf-8",
         )
         log("  [2/3] fingerprinting the files")
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         meta = {
             "built_by": f"compass-compat {__version__}",
-            "weights": "trained toy (compass_compat/data/toy_shapes, scripts/train_toy.py)",
+            "weights": "trained toy (compass_data/toy_shapes, scripts/train_toy.py)",
             "sha256": {name: _sha256(staging / name) for name in files},
             "trained_weights_sha256": _trained_weights_sha256(),
         }
@@ -457,7 +457,7 @@ def draw_answer_boxes(text: str, images: Sequence[str], index: Optional[int], ou
     """
     from mlx_vlm.utils import load_image
 
-    from .boxes import GRID, draw_boxes, format_number, scan_boxes, to_pixels
+    from compass_data.boxes import GRID, draw_boxes, format_number, scan_boxes, to_pixels
 
     explicit, index = index is not None, 0 if index is None else index
     source = images[index]

@@ -82,7 +82,7 @@ class _Stop(Exception):
 
 
 def _tiny_config(quantization: Dict[str, Any]) -> Dict[str, Any]:
-    from .tiny import tiny_config
+    from compass_data.tiny import tiny_config
 
     config = tiny_config()
     config["quantization"] = dict(quantization)

@@ -553,7 +553,7 @@ def decode_bytes_per_token(checkpoint: pathlib.Path, context: int, as_fp32: bool
 
 def prepare_inputs(path: pathlib.Path, checkpoint: pathlib.Path, preset: dict, sizes: List[int]) -> dict:
     """Token ids and pixel values shared by every worker (identical inputs everywhere)."""
-    from compass_compat.tiny import special_token_ids
+    from compass_data.tiny import special_token_ids
 
     spec = importlib.util.spec_from_file_location(
         "_compass_processing", REPO / "vendor/mlx_vlm/models/cohere_compass/image_processing_cohere_compass.py"

@@ -38,7 +38,7 @@ def main() -> None:
 
     path = args.model
     if path is None:
-        from compass_compat.tiny import build_tiny_checkpoint
+        from compass_data.tiny import build_tiny_checkpoint
 
         path = build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     model, processor = load(str(path))

@@ -3,7 +3,7 @@
     .venvs/mlxvlm-0.7.10/bin/python scripts/bench_tiny_decode.py                # ~1 min
     .venvs/mlxvlm-0.7.10/bin/python scripts/bench_tiny_decode.py --profile --graph
 
-The tiny default checkpoint (``compass_compat.tiny``, MLX layout, float32 unless ``--dtype``)
+The tiny default checkpoint (``compass_data.tiny``, MLX layout, float32 unless ``--dtype``)
 has layers far below the CPU-lane split threshold, so a decode step is a few hundred tiny ops
 and what it costs is dispatch: Python building the graph, MLX scheduling each op. Three
 ``scripts/bench.py`` workers stay loaded, in the mlx-vlm environment this runs in (>= 0.6.13,
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
 
-    from compass_compat.tiny import build_tiny_checkpoint, tokenizer_vocab_size
+    from compass_data.tiny import build_tiny_checkpoint, tokenizer_vocab_size
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="compass-tiny-decode-"))
     checkpoint = build_tiny_checkpoint(work / "tiny", layout="mlx", dtype=args.dtype)

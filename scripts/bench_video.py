@@ -4,7 +4,7 @@ stand-in checkpoint, bfloat16.
     .venvs/mlxvlm-0.7.10/bin/python scripts/bench_video.py                 # 16 frames, 448x448
     .venvs/mlxvlm-0.7.10/bin/python scripts/bench_video.py --frames 4      # a shorter clip
 
-The clip is ``compass_compat.clips.make_clip(frames, size, size)``. Our processor (the vendored
+The clip is ``compass_data.clips.make_clip(frames, size, size)``. Our processor (the vendored
 one, as ``mlx_vlm.load`` builds it for the stand-in folder) turns it into the prompt ids (the
 timestamped blocks), ``pixel_values_videos`` and ``video_grid_thw``; both implementations get
 exactly those inputs (the torch side from the saved arrays: transformers' own video processor
@@ -66,7 +66,7 @@ def ours(checkpoint: str, inputs: str, frames: int, size: int, runs: int) -> dic
     from mlx_vlm import load
 
     import compass_compat
-    from compass_compat.clips import make_clip
+    from compass_data.clips import make_clip
 
     model, processor = load(checkpoint)
     mx.eval(model.parameters())

@@ -18,7 +18,7 @@ intermediate 6144 (confirmed), vocab 262144 (as published: 255035 tokenizer entr
 padding rows), tied head, logit_scale 0.25, window 4096, MRoPE [24, 20, 20]
 at theta 50000; vision 27 blocks, 1152 wide, MLP 4304, 16 heads, deepstack [8, 16, 24].
 
-Config, tokenizer and chat template come from compass_compat.tiny (the tiny tokenizer's ids
+Config, tokenizer and chat template come from compass_data.tiny (the tiny tokenizer's ids
 are all below the vocabulary; its tokenizer_config.json gets the published pixel bounds); weights are uniform noise from numpy's PCG64, one stream
 per tensor, rounded with ``tiny.to_bfloat16_bits`` and streamed to disk tensor by tensor (peak
 extra memory is one chunk). A ``stand-in.json`` records what was built; a folder whose record
@@ -51,8 +51,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from compass_compat import tiny  # noqa: E402
-from compass_compat.weight_tree import weight_tree  # noqa: E402
+from compass_data import tiny  # noqa: E402
+from compass_data.weight_tree import weight_tree  # noqa: E402
 
 VARIANTS = ("bf16", "4bit")
 FORMAT_VERSION = 3  # bump when the weights or config written here change
@@ -126,7 +126,7 @@ def fullsize_config(variant: str) -> dict:
 # --------------------------------------------------------------------------- weights
 def weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float, bool]]:
     """(MLX-layout key, shape, kind, std, quantizable) of every tensor of the full-size model,
-    from the one weight tree (:func:`compass_compat.weight_tree.weight_tree`).
+    from the one weight tree (:func:`compass_data.weight_tree.weight_tree`).
 
     kind "noise": uniform noise of standard deviation ``std``; "norm": ``1 + noise``.
     ``quantizable``: a text Linear/Embedding weight (mlx-vlm's converter skips the vision tower).

@@ -1,6 +1,6 @@
 """Write compass_compat/assets/demo_clip.avi, the clip the README's video example uses.
 
-The demo scene of compass_compat.shapes (a blue square and a yellow star, 192x192) with the star
+The demo scene of compass_data.shapes (a blue square and a yellow star, 192x192) with the star
 sliding left, 8 frames at 4 frames per second, drawn by that module and written losslessly
 (FFV1 in AVI, which OpenCV reads back bit-exact). The committed file is the source of truth;
 rerun this only to change the clip:
@@ -14,7 +14,7 @@ import dataclasses
 import pathlib
 import sys
 
-import _unpatched  # scripts/_unpatched.py
+from compass_data import shapes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "compass_compat" / "assets" / "demo_clip.avi"
@@ -22,7 +22,6 @@ FRAMES, FPS = 8, 4.0
 
 
 def frames():
-    shapes = _unpatched.module("shapes")
     square, star = shapes.DEMO_SCENE.shapes
     for i in range(FRAMES):
         moved = dataclasses.replace(star, left=star.left - 4 * i)

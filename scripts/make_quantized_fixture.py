@@ -5,7 +5,7 @@ cohere_compass package and its converter do the work; the shim only stands by):
 
     .venvs/mlxvlm-0.7.10/bin/python scripts/make_quantized_fixture.py
 
-It builds the tiny checkpoint (compass_compat.tiny, original CohereLabs layout, seed 0) and
+It builds the tiny checkpoint (compass_data.tiny, original CohereLabs layout, seed 0) and
 runs ``mlx_vlm.convert.convert`` on it twice:
 
 - ``q4_f32/``: float32 source, 4-bit, group 64, affine;
@@ -39,7 +39,7 @@ def main() -> int:
     from mlx_vlm.convert import convert
 
     import compass_compat
-    from compass_compat.tiny import build_tiny_checkpoint
+    from compass_data.tiny import build_tiny_checkpoint
 
     info = compass_compat.implementation_info()
     if info.mlx_vlm_version != "0.7.10" or info.implementation != "upstream" or info.forced:
@@ -70,7 +70,7 @@ def main() -> int:
                         "cohere_compass_implementation": info.implementation,
                         "cohere_compass_file": info.file,
                         "source": {
-                            "builder": "compass_compat.tiny.build_tiny_checkpoint",
+                            "builder": "compass_data.tiny.build_tiny_checkpoint",
                             "layout": "original",
                             "dtype": dtype,
                             "seed": 0,

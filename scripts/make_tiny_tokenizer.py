@@ -1,4 +1,4 @@
-"""Build the committed tiny tokenizer in compass_compat/data/tiny_tokenizer/.
+"""Build the committed tiny tokenizer in compass_data/tiny_tokenizer/.
 
 A byte-level BPE of 512 entries, shaped like Cohere's tokenizer where it matters to a loader:
 ByteLevel pre-tokenizer and decoder, Cohere's ids 0-7 (<PAD> <UNK> <CLS> <SEP> <MASK_TOKEN>
@@ -20,7 +20,7 @@ import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "compass_compat" / "data" / "tiny_tokenizer"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "compass_data" / "tiny_tokenizer"
 
 VOCAB_SIZE = 512
 # Ids 0..7 as in Cohere's tokenizer, the learned vocabulary after them.

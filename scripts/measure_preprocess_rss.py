@@ -24,14 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-import _unpatched  # scripts/_unpatched.py
+from compass_data import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSING = ROOT / "vendor" / "mlx_vlm" / "models" / "cohere_compass" / "image_processing_cohere_compass.py"
 MIB = 1024 * 1024
 
 # The published preprocessor_config.json values; the size is set per run.
-PUBLISHED = {k: v for k, v in _unpatched.module("tiny").PUBLISHED_IMAGE_PROCESSOR.items() if k != "size"}
+PUBLISHED = {k: v for k, v in tiny.PUBLISHED_IMAGE_PROCESSOR.items() if k != "size"}
 
 
 def _status_kib(field: str) -> int:

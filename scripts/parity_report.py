@@ -26,7 +26,7 @@ from mlx_vlm.utils import load_model  # noqa: E402
 from parity import chunked_prefill, greedy, prefill, teacher_forced_decode  # noqa: E402
 
 import compass_compat  # noqa: E402
-from compass_compat.tiny import build_tiny_checkpoint  # noqa: E402
+from compass_data.tiny import build_tiny_checkpoint  # noqa: E402
 
 
 def measure(model, ref, name):

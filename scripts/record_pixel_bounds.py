@@ -36,8 +36,9 @@ import tempfile
 import warnings
 from typing import Any, Dict, Optional
 
-import _unpatched  # scripts/_unpatched.py
 import numpy as np
+
+from compass_data import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "pixel_bounds.json"
@@ -47,7 +48,7 @@ SAMPLES = 16
 
 
 # The published preprocessor_config.json (the default tiny checkpoint writes it as published).
-PUBLISHED_PREPROCESSOR = _unpatched.module("tiny").tiny_preprocessor_config()
+PUBLISHED_PREPROCESSOR = tiny.tiny_preprocessor_config()
 PUBLISHED_TOKENIZER_BOUNDS = {"min_pixels": 16384, "max_pixels": 3868706}
 # The image_processor block of processor_config.json as mlx-vlm 0.7.10's converter writes it
 # (tests/fixtures/quantized_0710/*/processor_config.json), with the published mean/std.
@@ -147,7 +148,7 @@ LENIENT = {
 def build_folder(name: str, path: pathlib.Path, base: Optional[pathlib.Path] = None) -> pathlib.Path:
     """Folder ``name`` of FOLDERS at ``path``: a copy of ``base`` (a checkpoint folder) or the
     tiny tokenizer files alone, with that case's three files written over it."""
-    from compass_compat.tiny import TOKENIZER_DIR, TOKENIZER_FILES
+    from compass_data.tiny import TOKENIZER_DIR, TOKENIZER_FILES
 
     spec = FOLDERS[name]
     path.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ interleaved MRoPE):
 
     .venvs/mlxvlm-0.7.10/bin/python scripts/record_reference.py
 
-The script builds the default tiny checkpoint (compass_compat.tiny, original layout, float32),
+The script builds the default tiny checkpoint (compass_data.tiny, original layout, float32),
 loads it with ``CohereCompassForConditionalGeneration.from_pretrained(..., dtype=float32,
 attn_implementation="eager")`` on CPU, writes the synthetic test images to tests/fixtures/images/
 and, for each case, records into tests/fixtures/reference/<case>.safetensors:
@@ -41,8 +41,9 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 import _reference  # scripts/_reference.py
-import _unpatched  # scripts/_unpatched.py
 import numpy as np
+
+from compass_data import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -52,8 +53,6 @@ MIN_TRANSFORMERS = (5, 21)
 N_GREEDY = 32
 FORMAT = 1
 
-
-tiny = _unpatched.module("tiny")  # without the patch: the reference must not depend on it
 
 # name -> (width, height, seed)
 IMAGES = {

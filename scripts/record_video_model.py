@@ -5,7 +5,7 @@ Needs transformers' video processor, so torchvision: run it in the recording env
 
     .venvs/reference-video/bin/python scripts/record_video_model.py
 
-For each case, on the tiny checkpoint (compass_compat.tiny, original layout, float32) and on the
+For each case, on the tiny checkpoint (compass_data.tiny, original layout, float32) and on the
 default toy checkpoint, the reference's own processor (``AutoProcessor``, frames passed with
 ``do_sample_frames=False`` and explicit metadata, so the frame rules are the processor fixtures'
 business, not these) turns the messages and clips into inputs, and
@@ -27,17 +27,14 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 import _reference  # scripts/_reference.py
-import _unpatched  # scripts/_unpatched.py
 import numpy as np
+
+from compass_data import clips, tiny, toy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "video_model"
 N_GREEDY = 32
 FORMAT = 1
-
-tiny = _unpatched.module("tiny")
-toy = _unpatched.module("toy")
-clips = _unpatched.module("clips")
 
 
 def _clip(name: str) -> np.ndarray:
@@ -93,7 +90,7 @@ FILE_CASES = {
 
 
 def file_clip_frames(name: str) -> np.ndarray:
-    """A file case's whole clip: drawn by compass_compat.clips, or every frame of a committed file."""
+    """A file case's whole clip: drawn by compass_data.clips, or every frame of a committed file."""
     spec = FILE_CLIPS[name]
     if not isinstance(spec, str):
         return clips.make_clip(*spec)

@@ -6,10 +6,10 @@ transformers 5.24.0, CPU, one thread):
 
     .venvs/reference-video/bin/python scripts/record_video_reference.py
 
-It builds the tiny checkpoint (``compass_compat.tiny``, original layout) and the settings
+It builds the tiny checkpoint (``compass_data.tiny``, original layout) and the settings
 variants the cases name, loads ``AutoProcessor.from_pretrained`` on each (transformers' own
 processor: tokenizer, image processor, video processor), draws the clips with
-``compass_compat.clips.make_clip`` (tests draw them again; each clip's sha256 is recorded) and,
+``compass_data.clips.make_clip`` (tests draw them again; each clip's sha256 is recorded) and,
 per case, renders the case's messages with the chat template and calls the processor on the
 rendered text (``add_special_tokens=False``: the template writes BOS). Written to
 tests/fixtures/video/:
@@ -45,17 +45,15 @@ import zipfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import _reference  # scripts/_reference.py
-import _unpatched  # scripts/_unpatched.py
 import numpy as np
+
+from compass_data import clips, tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "tests" / "fixtures" / "video"
 FORMAT = 1
 VIDEO = {"type": "video"}
 IMAGE = {"type": "image"}
-
-tiny = _unpatched.module("tiny")  # without the patch: the reference must not depend on it
-clips = _unpatched.module("clips")
 
 
 def user(*parts) -> List[dict]:
@@ -109,7 +107,7 @@ def write_variant(folder: pathlib.Path, variant: str) -> None:
 
 
 # --------------------------------------------------------------------------- cases
-# clips: (frames, height, width, seed) per video, drawn by compass_compat.clips.make_clip.
+# clips: (frames, height, width, seed) per video, drawn by compass_data.clips.make_clip.
 # call: the reference call's keywords; ours: where our call differs (documented departures).
 # image: (height, width, seed) of a still (frame 0 of such a clip) for image + video cases.
 # also: equivalent inputs checked to give the same reference output (see _alternatives).
@@ -528,7 +526,7 @@ def record(case_names: Optional[Sequence[str]] = None) -> Tuple[Dict[str, Dict[s
             "numpy": np.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
-        "checkpoint": {"builder": "compass_compat.tiny.build_tiny_checkpoint", "layout": "original"},
+        "checkpoint": {"builder": "compass_data.tiny.build_tiny_checkpoint", "layout": "original"},
         "variants": VARIANTS,
         "clips": {"x".join(map(str, s)): clips.clip_sha256(*s) for s in specs},
         "stills": {

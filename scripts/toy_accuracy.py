@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from _quant import quantize_folder
     from PIL import Image
 
-    from compass_compat import boxes, shapes, toy
+    from compass_data import boxes, shapes, toy
 
     reference = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
     count = reference["test_pictures_per_bucket_and_renderer"]

@@ -1,9 +1,9 @@
-"""Train the toy checkpoint (compass_compat/data/toy_shapes) and record its reference answers.
+"""Train the toy checkpoint (compass_data/toy_shapes) and record its reference answers.
 
-The tiny cohere_compass (compass_compat.toy.toy_config: the default tiny checkpoint's config
+The tiny cohere_compass (compass_data.toy.toy_config: the default tiny checkpoint's config
 with a wider vision tower) is trained with transformers' reference model
 (``CohereCompassForConditionalGeneration``) on CPU, on synthetic pictures drawn by
-compass_compat.shapes (sizes 128-448 px, square or not, hard or anti-aliased edges, tints,
+compass_data.shapes (sizes 128-448 px, square or not, hard or anti-aliased edges, tints,
 noise, JPEG), in stages. A stage starts from transformers' own initialisation or (``--init``)
 from a folder's weights and provenance, and runs:
 
@@ -25,7 +25,7 @@ Needs the reference environment (torch + transformers >= 5.21):
     .venvs/mlxvlm-0.7.10/bin/python scripts/train_toy.py [--init DIR] ...   # a stage, then record
     .venvs/mlxvlm-0.7.10/bin/python scripts/train_toy.py --record           # record only
 
-Writes compass_compat/data/toy_shapes/{model.safetensors,provenance.json} and
+Writes compass_data/toy_shapes/{model.safetensors,provenance.json} and
 tests/fixtures/toy_reference.json: transformers' greedy answers (text and ids) on the committed
 weights loaded from a written checkpoint folder, for every question about the test pictures
 (``TEST_SEED``: ``TEST_PICTURES`` per size bucket and renderer), every text-only prompt and the
@@ -45,14 +45,13 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import _reference  # scripts/_reference.py
-import _unpatched  # scripts/_unpatched.py
 import numpy as np
+
+from compass_data import boxes, shapes, toy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE_FILE = ROOT / "tests" / "fixtures" / "toy_reference.json"
 
-
-shapes, toy, boxes = (_unpatched.module(m) for m in ("shapes", "toy", "boxes"))  # the reference runs unpatched
 
 SEED = 0  # torch's initialisation and the order of question kinds
 THREADS = 1  # one thread: OpenMP threads stall when the cores are shared
@@ -515,7 +514,7 @@ def train(
         "stage": stage,
         "command": " ".join(["scripts/train_toy.py"] + sys.argv[1:]),
         "data": {
-            "recipe": "compass_compat.shapes: pictures of 128-448 px a side (square half the time; one size per "
+            "recipe": "compass_data.shapes: pictures of 128-448 px a side (square half the time; one size per "
             "batch), 1-3 shapes of distinct kinds (circle, square, triangle, star) in 4 colours (shaded +-12), "
             "cells 18-45% of the shorter side at continuous positions, no overlap; background tinted +-10; "
             "hard or anti-aliased edges (half each), Gaussian noise sd 1-6 on half, JPEG (Pillow) quality "

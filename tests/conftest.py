@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from compass_compat.checklist.harness import read_case_arrays
-from compass_compat.tiny import build_tiny_checkpoint
+from compass_data.tiny import build_tiny_checkpoint
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # Tests load the recording scripts, which import their neighbour scripts/_unpatched.py.

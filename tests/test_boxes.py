@@ -1,4 +1,4 @@
-"""compass_compat.boxes (find, scale, draw [x1, y1, x2, y2] on the 0-1000 grid) and generate --draw-boxes."""
+"""compass_data.boxes (find, scale, draw [x1, y1, x2, y2] on the 0-1000 grid) and generate --draw-boxes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from compass_compat import cli
-from compass_compat.boxes import (
+from compass_data.boxes import (
     HALO,
     PALETTE,
     GridBox,
@@ -394,7 +394,7 @@ def test_several_images_draw_on_the_first_unless_told(generated, capsys, tmp_pat
 
 def test_real_generation_on_the_default_checkpoint(capsys, tmp_path, monkeypatch, home):
     """No fake: the tiny random model's own text goes through the flag (it holds no box)."""
-    from compass_compat.boxes import find_boxes as find
+    from compass_data.boxes import find_boxes as find
 
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(home))
     target = tmp_path / "real.png"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import compass_compat
-from compass_compat import cli, shapes
+from compass_compat import cli
+from compass_data import shapes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def test_the_clis_sampling_rule_is_the_pins(tmp_path):
     sampling option it samples from generation_config.json exactly where the rule says so."""
     from test_generation_config import GENERATION_CONFIGS, mlx_vlm_run, token_ids, with_generation_config
 
-    from compass_compat.tiny import build_tiny_checkpoint
+    from compass_data.tiny import build_tiny_checkpoint
 
     base = build_tiny_checkpoint(tmp_path / "base")
     path = with_generation_config(base, tmp_path, GENERATION_CONFIGS["published"](token_ids()))
@@ -113,7 +114,7 @@ def test_a_damaged_default_checkpoint_is_rebuilt(tmp_path, monkeypatch, capsys):
 
 def test_a_default_checkpoint_built_from_older_toy_weights_is_rebuilt(tmp_path, monkeypatch, capsys):
     """An upgrade that ships retrained weights must not keep answering with the cached old ones."""
-    from compass_compat import toy
+    from compass_data import toy
 
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
     ckpt = cli.ensure_default_checkpoint()
@@ -291,7 +292,7 @@ def test_video_with_upstreams_processor_says_how_to_get_video(capsys, tiny_ckpt_
         pytest.skip("the vendored package is live: tests/test_video_entry.py runs --video")
     import cv2
 
-    from compass_compat.clips import make_clip
+    from compass_data.clips import make_clip
 
     clip = tmp_path / "clip.avi"
     writer = cv2.VideoWriter(str(clip), cv2.VideoWriter_fourcc(*"FFV1"), 2.0, (64, 64))

@@ -26,7 +26,7 @@ from PIL import Image
 from vendored import by_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = ROOT / "compass_compat" / "data" / "tiny_tokenizer"
+TOKENIZER_DIR = ROOT / "compass_data" / "tiny_tokenizer"
 
 MIN_PIXELS, MAX_PIXELS = 16384, 602112  # the tiny checkpoint's bounds (the published ones cost 30x more)
 PATCH, MERGE = 16, 2

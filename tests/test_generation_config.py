@@ -18,7 +18,7 @@ from typing import List, NamedTuple, Optional
 import pytest
 
 from compass_compat import cli
-from compass_compat.tiny import build_tiny_checkpoint, tiny_generation_config
+from compass_data.tiny import build_tiny_checkpoint, tiny_generation_config
 
 PROMPT = "Describe this picture."
 MAX_TOKENS = 12

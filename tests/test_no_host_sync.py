@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from vendored import vendored
 
-from compass_compat.tiny import tiny_config
+from compass_data.tiny import tiny_config
 
 
 class HostSyncError(AssertionError):

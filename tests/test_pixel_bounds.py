@@ -24,7 +24,7 @@ from vendored import vendored
 
 from compass_compat import checkpoint_checks
 from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
-from compass_compat.tiny import build_tiny_checkpoint
+from compass_data.tiny import build_tiny_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ vendored()
 import mlx.core as mx  # noqa: E402
 import test_reliability as rel  # noqa: E402  (the failure cases; a module object, nothing re-collected)
 
-from compass_compat.tiny import build_tiny_checkpoint  # noqa: E402
+from compass_data.tiny import build_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "tests" / "fixtures" / "images"

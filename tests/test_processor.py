@@ -17,13 +17,14 @@ import sys
 import tracemalloc
 from pathlib import Path
 
-import _unpatched  # scripts/_unpatched.py (tests/conftest.py puts scripts/ on the path)
 import numpy as np
 import pytest
 from _reference_probe import reference_problem
 from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from PIL import Image
 from vendored import VENDORED_DIR, by_path
+
+from compass_data import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ pc = by_path("processing_cohere_compass", "compass_processing_under_test")
 ipc = by_path("image_processing_cohere_compass", "compass_processing_under_test")
 
 # The published preprocessor_config.json values, without the keys that name classes.
-CONFIG = dict(_unpatched.module("tiny").PUBLISHED_IMAGE_PROCESSOR)
+CONFIG = dict(tiny.PUBLISHED_IMAGE_PROCESSOR)
 REFERENCE_REASON = "the reference is transformers' native cohere_compass (transformers >= 5.21); not installed here"
 USER_IMAGE = {"type": "image"}
 

@@ -197,7 +197,7 @@ def video_fixture(name: str) -> dict:
 def test_processor_takes_video_on_every_way_in(loaded, reference, image):
     from mlx_vlm.models.cohere_compass import processing_cohere_compass as pc
 
-    from compass_compat.clips import make_clip
+    from compass_data.clips import make_clip
 
     processor, _ = loaded
     messages = CASES["video_part"]

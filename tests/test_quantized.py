@@ -58,7 +58,7 @@ def convert_tiny(source: pathlib.Path, out: pathlib.Path, bits: int) -> pathlib.
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
-    from compass_compat.tiny import build_tiny_checkpoint
+    from compass_data.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_bf16"), layout="original", dtype="bfloat16")
 

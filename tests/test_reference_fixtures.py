@@ -16,7 +16,7 @@ import pytest
 from _reference_probe import reference_problem
 from safetensors.numpy import load_file
 
-from compass_compat import tiny
+from compass_data import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIVE_CASES = ["text_short", "img_448"]

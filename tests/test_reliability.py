@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from compass_compat.checkpoint_checks import CheckpointError, expected_tensors, validate_checkpoint  # noqa: E402
-from compass_compat.tiny import PADDED_VOCAB_SIZE, special_token_ids  # noqa: E402
+from compass_data.tiny import PADDED_VOCAB_SIZE, special_token_ids  # noqa: E402
 
 IDS = special_token_ids()
 MAX_TOKENS = 16

@@ -6,7 +6,7 @@ the committed weights, recorded by ``scripts/train_toy.py --record`` in the refe
 environment, for the text-only prompts, the demo picture, a 320 x 192 picture, and
 ``test_pictures_per_bucket_and_renderer`` pictures for each size bucket (by the longer side:
 128-223, 224-319, 320-448 px, square or not) and each renderer: ``numpy``
-(compass_compat.shapes, the training data's drawing) and ``pil`` (compass_compat.shapes_pil,
+(compass_data.shapes, the training data's drawing) and ``pil`` (compass_data.shapes_pil,
 Pillow's ``ImageDraw``, never seen in training), all from seeds training never used, with
 anti-aliasing, tints, noise and JPEG as training had them. Here mlx-vlm's own ``load`` /
 ``stream_generate`` / ``generate`` run them with the patch applied (upstream's model where the
@@ -27,7 +27,7 @@ from _quant import quantize_folder
 from PIL import Image
 from vendored import vendored
 
-from compass_compat import boxes, shapes, shapes_pil, toy
+from compass_data import boxes, shapes, shapes_pil, toy
 
 vendored()
 

@@ -20,8 +20,8 @@ import pytest
 from vendored import vendored
 
 from compass_compat import cli
-from compass_compat.clips import make_clip
 from compass_compat.video_files import VideoDecoderMissingError, VideoFileError, probe, read_video
+from compass_data.clips import make_clip
 
 vendored()  # the toy's video answers are measured on our package; upstream 0.7.10 takes no video
 
@@ -45,7 +45,7 @@ def write_clip(path: pathlib.Path, frames: np.ndarray, fps: float) -> pathlib.Pa
 
 @pytest.fixture(scope="module")
 def toy_ckpt(tmp_path_factory):
-    from compass_compat.toy import build_toy_checkpoint
+    from compass_data.toy import build_toy_checkpoint
 
     return build_toy_checkpoint(tmp_path_factory.mktemp("toy"))
 

@@ -48,7 +48,7 @@ def model(tiny_ckpt_original):
 def toy_model(tmp_path_factory):
     from mlx_vlm.utils import load_model
 
-    from compass_compat.toy import build_toy_checkpoint
+    from compass_data.toy import build_toy_checkpoint
 
     return load_model(build_toy_checkpoint(tmp_path_factory.mktemp("toy")))
 

@@ -2,7 +2,7 @@
 
 transformers' ``CohereCompassVideoProcessor`` needs torchvision, so its outputs were recorded
 by ``scripts/record_video_reference.py`` (.venvs/reference-video) on clips that
-``compass_compat.clips.make_clip`` draws again here (their sha256 is checked first). Per case:
+``compass_data.clips.make_clip`` draws again here (their sha256 is checked first). Per case:
 ids, ``mm_token_type_ids`` and grids exact; ``pixel_values_videos`` within 1e-5 where the
 reference keeps the frames' size, within one uint8 level (2/255 after mean = std = 0.5) where it
 resizes them, with the share of values that differ recorded as junit properties; the
@@ -32,7 +32,7 @@ import record_video_reference as recorder  # scripts/ (inputs of the cases, neve
 from PIL import Image
 from vendored import by_path
 
-make_clip = recorder.clips.make_clip  # compass_compat.clips, imported without the patch
+make_clip = recorder.clips.make_clip  # compass_data.clips, imported without the patch
 build_tiny_checkpoint = recorder.tiny.build_tiny_checkpoint
 pc = by_path("processing_cohere_compass", "compass_video_under_test")
 vpc = by_path("video_processing_cohere_compass", "compass_video_under_test")

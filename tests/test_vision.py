@@ -4,13 +4,9 @@ Both sides get the same seeded random weights; every expected value comes from
 running the reference.
 """
 
-import importlib
-import sys
-import types
-from pathlib import Path
-
 import numpy as np
 import pytest
+from vendored import by_path
 
 torch = pytest.importorskip("torch", reason="needs the torch reference (0.7.10 env)")
 modeling = pytest.importorskip(
@@ -22,22 +18,8 @@ import mlx.nn as nn  # noqa: E402
 from transformers import CohereCompassVisionConfig  # noqa: E402
 
 TOL = 1e-4
-_VENDOR = Path(__file__).resolve().parents[1] / "vendor" / "mlx_vlm" / "models" / "cohere_compass"
-
-
-def _vendored(name):
-    # Load the vendored modules under a private package name, bypassing the package
-    # __init__ (which pulls in the whole model) and any upstream cohere_compass.
-    pkg = "_compass_vendor_under_test"
-    if pkg not in sys.modules:
-        module = types.ModuleType(pkg)
-        module.__path__ = [str(_VENDOR)]
-        sys.modules[pkg] = module
-    return importlib.import_module(f"{pkg}.{name}")
-
-
-vision = _vendored("vision")
-VisionConfig = _vendored("config").VisionConfig
+vision = by_path("vision", "compass_vision_under_test")
+VisionConfig = by_path("config", "compass_vision_under_test").VisionConfig
 
 TINY = dict(
     depth=4,

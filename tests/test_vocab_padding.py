@@ -28,7 +28,7 @@ from packaging.version import Version
 from safetensors.numpy import load_file
 from vendored import vendored
 
-from compass_compat.tiny import build_tiny_checkpoint, save_safetensors, tokenizer_vocab_size
+from compass_data.tiny import build_tiny_checkpoint, save_safetensors, tokenizer_vocab_size
 
 vendored()  # the guard is our processor's: skip (saying why) where upstream's package is live
 
@@ -47,7 +47,7 @@ def padded_ckpt(tmp_path_factory):
     rows = tokenizer_vocab_size()
     assert weights[EMBED].shape[0] > rows, (
         f"the tiny checkpoint has no padding rows ({weights[EMBED].shape[0]} rows, {rows} tokenizer "
-        "entries); compass_compat.tiny must make vocab_size exceed the tokenizer"
+        "entries); compass_data.tiny must make vocab_size exceed the tokenizer"
     )
     weights[EMBED][rows:] *= np.float32(PADDING_SCALE)
     save_safetensors(path / "model.safetensors", weights)

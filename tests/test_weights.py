@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 from vendored import vendored
 
-from compass_compat import tiny
+from compass_data import tiny
 
 vendored()
 
@@ -108,7 +108,7 @@ def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, 
 def test_bfloat16_checkpoint_generates_without_nan(tmp_path, reference):
     from parity import greedy, prefill
 
-    from compass_compat.tiny import build_tiny_checkpoint
+    from compass_data.tiny import build_tiny_checkpoint
 
     model = _load(build_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
     for name in ("text_medium", "img_448"):

@@ -88,7 +88,7 @@ def test_wheel_carries_every_package_file(wheel: Path):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     }
     files.discard("compass_compat/compass_compat_autopatch.pth")  # installed at the top level
-    assert {"compass_compat/data/toy_shapes/model.safetensors", "compass_compat/assets/demo.png"} <= files
+    assert {"compass_data/toy_shapes/model.safetensors", "compass_compat/assets/demo.png"} <= files
     assert any(f.startswith("compass_compat/checklist/probes/") for f in files)
     assert files <= names, sorted(files - names)
 

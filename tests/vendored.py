@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from compass_compat.vendor import file_module, package_dir
+
 PACKAGE = "mlx_vlm.models.cohere_compass"
-VENDORED_DIR = Path(__file__).resolve().parents[1] / "vendor" / "mlx_vlm" / "models" / "cohere_compass"
+VENDORED_DIR = package_dir()
 
 
 def upstream_ships() -> bool:
@@ -45,13 +45,7 @@ def vendored(submodule: str = "") -> ModuleType:
 
 
 def by_path(submodule: str, package: str) -> ModuleType:
-    """``submodule`` of the vendored package, loaded from its file as ``<package>.<submodule>``.
-
-    Neither the shim nor the package's ``__init__`` (mlx) runs, and it works on pins where
-    upstream's cohere_compass shadows the vendored one; the processing modules import each
-    other relatively, so they load inside a stand-in package (one per ``package`` name).
-    """
-    if package not in sys.modules:
-        stand_in = sys.modules[package] = ModuleType(package)
-        stand_in.__path__ = [str(VENDORED_DIR)]
-    return importlib.import_module(f"{package}.{submodule}")
+    """``submodule`` of the vendored package loaded from its file as ``<package>.<submodule>``
+    (``compass_compat.vendor.file_module``): the package's ``__init__`` (mlx) does not run, and
+    it works on pins where upstream's cohere_compass shadows the vendored one."""
+    return file_module(submodule, package)

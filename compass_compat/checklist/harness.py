@@ -118,7 +118,7 @@ class Reference:
 
 def check_fixture_weights(reference: Reference) -> None:
     """Raise :class:`CouldNotRun` unless the fixtures were recorded from the weights ``tiny`` builds."""
-    from ..tiny import tiny_weights, weights_sha256
+    from compass_data.tiny import tiny_weights, weights_sha256
 
     recorded = reference.index.get("checkpoint", {})
     want = recorded.get("weights_sha256")
@@ -229,7 +229,7 @@ class Context:
     def checkpoint(self, name: str) -> Path:
         """Tiny checkpoint folders: "original", "mlx", "small_max_pixels" (original layout)."""
         if name not in self._checkpoints:
-            from ..tiny import build_tiny_checkpoint
+            from compass_data.tiny import build_tiny_checkpoint
 
             layout = "mlx" if name == "mlx" else "original"
             variant = "small_max_pixels" if name == "small_max_pixels" else "default"

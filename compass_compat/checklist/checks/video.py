@@ -33,7 +33,7 @@ def _processor_call(processor: Any, meta: Dict[str, Any], images_dir: Path) -> D
     decoded frames with their metadata, frames used as given (``do_sample_frames=False``)."""
     from PIL import Image
 
-    from ...clips import make_clip
+    from compass_data.clips import make_clip
 
     frames = [make_clip(*v["shape"]) for v in meta["videos"]]
     kwargs: Dict[str, Any] = {

@@ -1,15 +1,15 @@
 """The toy checkpoint: the tiny cohere_compass trained on synthetic shape pictures.
 
-A TOY, not North-Micro-Vision: it answers the four questions of :mod:`compass_compat.shapes`
+A TOY, not North-Micro-Vision: it answers the four questions of :mod:`compass_data.shapes`
 about pictures like the ones it was trained on (one to three circles, squares, triangles and
 stars in four colours on a light background) and a few text-only prompts, and nothing else.
 What it is for: an answer a person can check against the picture, and an end-to-end test whose
 expected answers come from transformers' reference model on the same weights.
 
 The trained weights (original layout, float32) and their provenance (the training script, data
-recipe, seeds, training curve, held-out accuracy) are committed in ``compass_compat/data/toy_shapes``;
+recipe, seeds, training curve, held-out accuracy) are committed in ``compass_data/toy_shapes``;
 ``scripts/train_toy.py`` made them. :func:`build_toy_checkpoint` writes the same file set as the
-tiny random checkpoint (:mod:`compass_compat.tiny`), with these weights.
+tiny random checkpoint (:mod:`compass_data.tiny`), with these weights.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from . import tiny
 
-TOY_DIR = pathlib.Path(__file__).resolve().parent / "data" / "toy_shapes"
+TOY_DIR = pathlib.Path(__file__).resolve().parent / "toy_shapes"
 WEIGHTS_FILE = TOY_DIR / "model.safetensors"
 PROVENANCE_FILE = TOY_DIR / "provenance.json"
 

@@ -3,7 +3,7 @@
 ``build_tiny_checkpoint(path)`` writes a complete checkpoint folder with the published file set:
 config.json (``tie_word_embeddings`` at the top level and in ``text_config``),
 generation_config.json, preprocessor_config.json (the published values), the committed tiny
-tokenizer (``compass_compat/data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``:
+tokenizer (``compass_data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``:
 tokenizer.json, tokenizer_config.json with its ``min_pixels``/``max_pixels``, chat_template.jinja)
 and model.safetensors in either weight layout:
 
@@ -40,7 +40,7 @@ import numpy as np
 
 from .weight_tree import weight_tree
 
-TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "data" / "tiny_tokenizer"
+TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "tiny_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # Embedding rows; the tokenizer has 512 entries (published: 262144 rows, 255035 entries).
 PADDED_VOCAB_SIZE = 576
@@ -276,7 +276,7 @@ _SCALES = (
 
 def _weight_specs() -> Iterator[Tuple[str, Tuple[int, ...], str, float]]:
     """(original-layout key, shape, kind, scale) of every tensor, from the one weight tree
-    (:func:`compass_compat.weight_tree.weight_tree`).
+    (:func:`compass_data.weight_tree.weight_tree`).
 
     kind "noise": uniform noise with standard deviation ``scale``; "norm": ``1 + noise``
     (a norm's scale, std 0.1). Biases and norm shifts: std 0.05.

@@ -1,11 +1,11 @@
-"""A second way to draw :mod:`compass_compat.shapes` scenes: Pillow's ``ImageDraw``.
+"""A second way to draw :mod:`compass_data.shapes` scenes: Pillow's ``ImageDraw``.
 
-The toy is trained on pictures from :func:`compass_compat.shapes.render` (numpy, pixel centres
+The toy is trained on pictures from :func:`compass_data.shapes.render` (numpy, pixel centres
 inside the exact outline). The tests also ask about pictures drawn here, a different path: the
 outlines go through Pillow's own ellipse, rectangle and polygon fill rules; anti-aliased
 pictures are drawn at four times the size and shrunk with Lanczos resampling (not averaged);
 the noise is uniform (not Gaussian); JPEG keeps full colour resolution (4:4:4, not 4:2:0).
-The geometry (:data:`~compass_compat.shapes.CIRCLE_RADIUS` and the others) is the same, so the
+The geometry (:data:`~compass_data.shapes.CIRCLE_RADIUS` and the others) is the same, so the
 answers, boxes included, are the same for a scene whichever way it is drawn.
 """
 

@@ -17,7 +17,7 @@ where     ``Where is the red circle?``      ``[x1, y1, x2, y2]`` on the 0-1000 g
 
 Shapes are listed left to right (by centre). A box is the shape's extent as drawn (its exact
 geometry, :func:`pixel_box`), each x edge ``round(1000 * x / width)`` and each y edge
-``round(1000 * y / height)``: the grid North-Micro-Vision answers in (:mod:`compass_compat.boxes`).
+``round(1000 * y / height)``: the grid North-Micro-Vision answers in (:mod:`compass_data.boxes`).
 Text-only prompts (:data:`TEXT_ANSWERS`) have fixed answers.
 
 How a scene becomes pixels is a :class:`Look`: hard or anti-aliased edges, seeded noise, and
@@ -25,7 +25,7 @@ JPEG compression at a quality (Pillow's encoder). :func:`render` rasterizes with
 is inside when its centre is; anti-aliased: the share of 4x4 sub-pixel centres inside, next
 to the outline), not with
 a drawing library, so the same seed gives the same bytes on every machine. The tests also draw
-with :mod:`compass_compat.shapes_pil` (Pillow's ``ImageDraw``), a second drawing path that
+with :mod:`compass_data.shapes_pil` (Pillow's ``ImageDraw``), a second drawing path that
 training never sees.
 """
 
@@ -332,7 +332,7 @@ def questions_about(scene: Scene, asked: Shape, boxed: Shape) -> Dict[str, Quest
 
 
 RENDERERS = ("numpy", "pil")
-"""``numpy``: :func:`render` (training's); ``pil``: :func:`compass_compat.shapes_pil.render`."""
+"""``numpy``: :func:`render` (training's); ``pil``: :func:`compass_data.shapes_pil.render`."""
 
 
 @dataclass(frozen=True)
