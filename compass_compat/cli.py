@@ -143,7 +143,7 @@ def ensure_default_checkpoint() -> Path:
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         meta = {
             "built_by": f"compass-compat {__version__}",
-            "weights": "trained toy (compass_data/toy_shapes, scripts/train_toy.py)",
+            "weights": "trained toy (compass_data/toy_shapes, scripts/toy/train.py)",
             "sha256": {name: _sha256(staging / name) for name in files},
             "trained_weights_sha256": _trained_weights_sha256(),
         }

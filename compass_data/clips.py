@@ -1,6 +1,6 @@
 """Deterministic synthetic video clips: moving coloured shapes on a gradient background.
 
-The video fixtures (``scripts/record_video_reference.py``) and their tests draw the same
+The video fixtures (``scripts/reference/video_processor.py``) and their tests draw the same
 clips from ``(frames, height, width, seed)`` instead of storing frames. Only integer numpy
 arithmetic is used, so every machine and numpy version gives the same bytes
 (:func:`clip_sha256` is recorded with each fixture to prove it).

@@ -384,15 +384,15 @@ def bucket_of(size: Sequence[int]) -> str:
 
 
 TRAIN_SEED = 1
-"""The training data's seed (``scripts/train_toy.py`` draws every training picture from it)."""
+"""The training data's seed (``scripts/toy/train.py`` draws every training picture from it)."""
 EVAL_SEED = 2
 """The held-out pictures' seed, never used in training; the tests use :data:`TEST_SEED`."""
 TEST_SEED = 3
 """Seed of the pictures the tests ask about (recorded in the reference fixture)."""
 
 DEMO_SCENE = Scene((Shape("square", "blue", 24, 8, 48), Shape("star", "yellow", 88, 96, 80)))
-"""The bundled demo picture (``compass_compat/assets/demo.png``, ``scripts/make_demo_image.py``):
-one the toy answers correctly (``scripts/train_toy.py --find-demo`` picked it)."""
+"""The bundled demo picture (``compass_compat/assets/demo.png``, ``scripts/package_data/demo_image.py``):
+one the toy answers correctly (``scripts/toy/train.py --find-demo`` picked it)."""
 
 
 def demo_questions(scene: Scene = DEMO_SCENE) -> Dict[str, Question]:

@@ -3,7 +3,7 @@
 ``build_tiny_checkpoint(path)`` writes a complete checkpoint folder with the published file set:
 config.json (``tie_word_embeddings`` at the top level and in ``text_config``),
 generation_config.json, preprocessor_config.json (the published values), the committed tiny
-tokenizer (``compass_data/tiny_tokenizer``, built by ``scripts/make_tiny_tokenizer.py``:
+tokenizer (``compass_data/tiny_tokenizer``, built by ``scripts/package_data/tiny_tokenizer.py``:
 tokenizer.json, tokenizer_config.json with its ``min_pixels``/``max_pixels``, chat_template.jinja)
 and model.safetensors in either weight layout:
 
@@ -252,7 +252,7 @@ def tiny_generation_config() -> dict:
 # Noise standard deviation per tensor (MLX-layout key suffix; first match wins). They keep
 # activations O(1) while attention is far from uniform and greedy argmax is decisive, yet small
 # enough that float32 summation-order noise stays well below the 1e-4 logit tolerance at image
-# positions (measured against the reference by scripts/record_reference.py).
+# positions (measured against the reference by scripts/reference/model_outputs.py).
 _SCALES = (
     ("embed_tokens.weight", 1.2),
     ("q_proj.weight", 0.2),

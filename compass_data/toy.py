@@ -8,7 +8,7 @@ expected answers come from transformers' reference model on the same weights.
 
 The trained weights (original layout, float32) and their provenance (the training script, data
 recipe, seeds, training curve, held-out accuracy) are committed in ``compass_data/toy_shapes``;
-``scripts/train_toy.py`` made them. :func:`build_toy_checkpoint` writes the same file set as the
+``scripts/toy/train.py`` made them. :func:`build_toy_checkpoint` writes the same file set as the
 tiny random checkpoint (:mod:`compass_data.tiny`), with these weights.
 """
 
@@ -54,7 +54,7 @@ def toy_weights() -> Dict[str, np.ndarray]:
     if not WEIGHTS_FILE.is_file():
         raise FileNotFoundError(
             f"{WEIGHTS_FILE} is missing: it is part of the package; reinstall compass-compat, or "
-            "retrain with `.venvs/mlxvlm-0.7.10/bin/python scripts/train_toy.py`"
+            "retrain with `.venvs/mlxvlm-0.7.10/bin/python scripts/toy/train.py`"
         )
     from safetensors.numpy import load_file
 

@@ -1,7 +1,7 @@
 """Every tensor a cohere_compass checkpoint holds, derived from its config by arithmetic.
 
 The one enumeration of the weight tree: the checkpoint checks, the tiny checkpoint builder and
-the full-size stand-in (``scripts/build_fullsize.py``) all derive theirs from
+the full-size stand-in (``scripts/bench/build_fullsize.py``) all derive theirs from
 :func:`weight_tree`. It is written independently of the model code; a test checks that the two
 agree (``tests/test_reliability.py::test_expected_tensors_match_the_model_tree``).
 

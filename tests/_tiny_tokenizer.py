@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from make_tiny_tokenizer import TRAILING_SPECIALS  # scripts/, on the path (conftest.py)
+from scripts.package_data.tiny_tokenizer import TRAILING_SPECIALS
 
 # Cohere's turn and vision tokens, as in the committed tiny tokenizer; ids from 0 in this order.
 SPECIAL_TOKENS = ["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>", *TRAILING_SPECIALS]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -13,8 +12,6 @@ from compass_compat.checklist.harness import read_case_arrays
 from compass_data.tiny import build_tiny_checkpoint
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
-# Tests load the recording scripts, which import their neighbour scripts/_unpatched.py.
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 REFERENCE_DIR = FIXTURES / "reference"
 IMAGES_DIR = FIXTURES / "images"
 

@@ -86,9 +86,9 @@ def vendored_report() -> Dict[str, Any]:
 
 def test_checklist_md_block_covers_every_item_of_every_pin():
     block = expected_verdicts()
-    envs = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "pins.sh").read_text()).group(1).split()
+    envs = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
     pins = {env.split("-")[0] for env in envs}  # an environment is "<mlx-vlm version>[-<tag>]"
-    assert sorted(block) == sorted(pins), "CHECKLIST.md must record every mlx-vlm version of scripts/pins.sh"
+    assert sorted(block) == sorted(pins), "CHECKLIST.md must record every mlx-vlm version of scripts/env/pins.sh"
     for pin, per_impl in block.items():
         assert sorted(per_impl) == ["upstream", "vendored"], pin
         for verdicts in per_impl.values():

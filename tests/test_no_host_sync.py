@@ -129,7 +129,7 @@ def no_evaluation(min_bytes: int):
         )
 
 
-# The guard above is also used by scripts/bench.py (counting mode) for either implementation;
+# The guard above is also used by scripts/bench/fullsize.py (counting mode) for either implementation;
 # the tests below need the vendored model.
 vendored()
 

@@ -1,8 +1,8 @@
 """oMLX's engine (PyPI flyto-mlx 0.7.0) serving the default checkpoint (the toy), end to end.
 
-Runs scripts/omlx_e2e.py (which starts `omlx serve` on 127.0.0.1 with the startup hook and
+Runs scripts/hosts/omlx/e2e.py (which starts `omlx serve` on 127.0.0.1 with the startup hook and
 compares every answer with `python -m compass_compat generate`). Only in an environment that has
-oMLX, i.e. .venvs/omlx-0.7.0 (scripts/make_omlx_env.sh; scripts/run_omlx.sh builds it and runs
+oMLX, i.e. .venvs/omlx-0.7.0 (scripts/hosts/omlx/env.sh; scripts/hosts/omlx/run.sh builds it and runs
 this test); the pin matrix's environments skip it. Extra arguments for the script, e.g.
 `--git-rev HEAD`, come from $OMLX_E2E_ARGS (split on whitespace).
 """
@@ -18,12 +18,12 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "omlx_e2e.py"
+SCRIPT = ROOT / "scripts" / "hosts" / "omlx" / "e2e.py"
 OMLX_EXE = pathlib.Path(sys.executable).with_name("omlx")
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("omlx") is None or not OMLX_EXE.exists(),
-    reason="oMLX (flyto-mlx) is not installed in this environment; scripts/run_omlx.sh builds "
+    reason="oMLX (flyto-mlx) is not installed in this environment; scripts/hosts/omlx/run.sh builds "
     ".venvs/omlx-0.7.0 and runs this test there",
 )
 

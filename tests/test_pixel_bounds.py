@@ -2,10 +2,10 @@
 
 Folders with the published layouts of the files that decide the bounds (CohereLabs'
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose
-files disagree, and from_pretrained / call kwargs (the table: scripts/record_pixel_bounds.py,
+files disagree, and from_pretrained / call kwargs (the table: scripts/reference/pixel_bounds.py,
 the precedence: the "pixel bounds" section of the vendored image processor). Expected values come
 from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
-tests/fixtures/pixel_bounds.json, recorded from it by scripts/record_pixel_bounds.py, on
+tests/fixtures/pixel_bounds.json, recorded from it by scripts/reference/pixel_bounds.py, on
 every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor, the checkpoint checks
 and the checklist's probe all use the one resolution.
 """
@@ -30,7 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("record_pixel_bounds", ROOT / "scripts" / "record_pixel_bounds.py")
+    spec = importlib.util.spec_from_file_location(
+        "record_pixel_bounds", ROOT / "scripts" / "reference" / "pixel_bounds.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -67,7 +67,7 @@ def _version_tuple(text: str):
 def matrix_stacks() -> set:
     """(mlx-vlm, mlx) of every matrix environment, from the committed scripts/constraints records."""
     stacks = set()
-    for path in (REPO / "scripts" / "constraints").glob("mlxvlm-*.txt"):
+    for path in (REPO / "scripts" / "env" / "constraints").glob("mlxvlm-*.txt"):
         pins = dict(re.findall(r"^(mlx-vlm|mlx)==([^\s#]+)", path.read_text(), re.M))
         if "mlx-vlm" in pins and "mlx" in pins:
             stacks.add((pins["mlx-vlm"], pins["mlx"]))

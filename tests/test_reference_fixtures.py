@@ -23,7 +23,9 @@ LIVE_CASES = ["text_short", "img_448"]
 
 
 def _recorder():
-    spec = importlib.util.spec_from_file_location("record_reference", ROOT / "scripts" / "record_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "record_reference", ROOT / "scripts" / "reference" / "model_outputs.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -667,7 +667,7 @@ def _measure_rss(*args: str) -> dict:
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "measure_preprocess_rss.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "preprocess_rss.py"
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 
 Runs on every pin. Expectations come from the pin's version (mlx-vlm >= 0.6.13
 ships its own cohere_compass) and from COMPASS_COMPAT_FORCE_VENDORED, which
-scripts/run_matrix.sh sets for the second 0.7.10 run; never from the shim itself.
+scripts/check/matrix.sh sets for the second 0.7.10 run; never from the shim itself.
 Scenarios that must start from a fresh interpreter (env var set before import,
 upstream imported before the shim) run in subprocesses.
 """

@@ -2,7 +2,7 @@
 answers right on pictures of every size bucket drawn two ways.
 
 Expected answers come from tests/fixtures/toy_reference.json: transformers' greedy answers on
-the committed weights, recorded by ``scripts/train_toy.py --record`` in the reference
+the committed weights, recorded by ``scripts/toy/train.py --record`` in the reference
 environment, for the text-only prompts, the demo picture, a 320 x 192 picture, and
 ``test_pictures_per_bucket_and_renderer`` pictures for each size bucket (by the longer side:
 128-223, 224-319, 320-448 px, square or not) and each renderer: ``numpy``
@@ -270,7 +270,8 @@ def test_reference_file_is_what_transformers_answers_now(toy_folders, pictures):
     if not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         pytest.skip(f"transformers {transformers.__version__} has no cohere_compass")
     import torch
-    import train_toy  # scripts/, on the path (conftest.py)
+
+    from scripts.toy import train as train_toy
 
     folder = toy_folders["float"]
     model = transformers.CohereCompassForConditionalGeneration.from_pretrained(

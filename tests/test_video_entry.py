@@ -4,7 +4,7 @@ named errors for files that cannot be read.
 
 The clips are written losslessly (FFV1 in AVI, which every pin's OpenCV writes and reads back
 bit-exact), so the frames decoded here are the frames the reference sampled in
-``scripts/record_video_model.py`` (the toy checkpoint's ``file_*`` cases).
+``scripts/reference/video_model.py`` (the toy checkpoint's ``file_*`` cases).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Video path against transformers' recorded outputs (scripts/record_video_model.py): positions,
+"""Video path against transformers' recorded outputs (scripts/reference/video_model.py): positions,
 vision features, prefill logits and greedy ids on the tiny checkpoint and the default toy, from
 the reference processor's own inputs; feature replay; chunked prefill; the count errors."""
 

@@ -1,7 +1,7 @@
 """The torch-free video processor against transformers' own (recorded in tests/fixtures/video).
 
 transformers' ``CohereCompassVideoProcessor`` needs torchvision, so its outputs were recorded
-by ``scripts/record_video_reference.py`` (.venvs/reference-video) on clips that
+by ``scripts/reference/video_processor.py`` (.venvs/reference-video) on clips that
 ``compass_data.clips.make_clip`` draws again here (their sha256 is checked first). Per case:
 ids, ``mm_token_type_ids`` and grids exact; ``pixel_values_videos`` within 1e-5 where the
 reference keeps the frames' size, within one uint8 level (2/255 after mean = std = 0.5) where it
@@ -28,9 +28,10 @@ from typing import List, Optional
 
 import numpy as np
 import pytest
-import record_video_reference as recorder  # scripts/ (inputs of the cases, never expected values)
 from PIL import Image
 from vendored import by_path
+
+from scripts.reference import video_processor as recorder  # inputs of the cases, never expected values
 
 make_clip = recorder.clips.make_clip  # compass_data.clips, imported without the patch
 build_tiny_checkpoint = recorder.tiny.build_tiny_checkpoint

@@ -28,7 +28,7 @@ def default_fixtures_dir() -> Path:
 
 
 def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """[N, 3*2*P*P] float32 pixel values from their stored form (``record_reference.pack_pixel_values``).
+    """[N, 3*2*P*P] float32 pixel values from their stored form (``scripts/reference/model_outputs.py``'s ``pack_pixel_values``).
 
     Stored: the first temporal frame as per-channel uint8 indices into a table of float32 values;
     the second frame of a still image is the same.
@@ -41,7 +41,7 @@ def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.
 
 def unpack_levels(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
     """Pixel values [N, 3*T*P*P] float32 from per-channel codes into a table of values
-    (``scripts/record_video_model.py`` ``pack_levels``: every temporal slot stored)."""
+    (``scripts/reference/video_model.py`` ``pack_levels``: every temporal slot stored)."""
     n = codes.shape[0]
     values = np.take_along_axis(levels[None], codes.reshape(n, 3, -1).astype(np.intp), axis=-1)
     return values.reshape(codes.shape)
@@ -126,7 +126,7 @@ def check_fixture_weights(reference: Reference) -> None:
     if want != got:
         raise CouldNotRun(
             f"the reference fixtures were recorded from other tiny weights (sha256 {want}, this "
-            f"compass_compat builds {got}); re-record them with scripts/record_reference.py"
+            f"compass_compat builds {got}); re-record them with scripts/reference/model_outputs.py"
         )
 
 

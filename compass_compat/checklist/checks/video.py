@@ -12,7 +12,7 @@ from ..harness import LOGIT_TOL, N_GREEDY, PIXEL_TOL, Context, matching_prefix, 
 from ..report import FAIL, PASS, CouldNotRun, Item, ItemResult, error_text, fmt
 from .base import needs_package, result
 
-VIDEO_DIR = "video_model"  # under the fixtures directory: scripts/record_video_model.py
+VIDEO_DIR = "video_model"  # under the fixtures directory: scripts/reference/video_model.py
 CHECKPOINT = "tiny"
 
 

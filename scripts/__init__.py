@@ -1,0 +1,1 @@
+"""Repository tools by role (scripts/README.md); importable as ``scripts.<role>.<module>``."""
