@@ -81,10 +81,10 @@ def test_wheel_carries_every_package_file(wheel: Path):
     """Data and non-Python files too: the toy weights, the demo picture, the checklist's probe
     scripts, the tiny tokenizer (what ``generate`` with no arguments and the checklist need)."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    package = REPO / "compass_compat"
     files = {
         p.relative_to(REPO).as_posix()
-        for p in package.rglob("*")
+        for package in ("compass_compat", "compass_data")
+        for p in (REPO / package).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     }
     files.discard("compass_compat/compass_compat_autopatch.pth")  # installed at the top level
