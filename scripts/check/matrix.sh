@@ -2,14 +2,17 @@
 # Run the whole test suite in every environment of the mlx-vlm matrix and print a table.
 #
 # Usage: scripts/check/matrix.sh [ENV ...]      (default: every environment in scripts/env/pins.sh;
-#                                              an ENV is an mlx-vlm version, e.g. 0.6.12, or a
-#                                              version with a tag, e.g. 0.4.4-tf5.17)
+#                                                an ENV is an mlx-vlm version, e.g. 0.6.12, or a
+#                                                version with a tag, e.g. 0.4.4-tf5.17)
 #
-# - Creates or updates .venvs/mlxvlm-<env> first (scripts/env/build.sh, idempotent), with the
-#   exact versions recorded in scripts/env/constraints/mlxvlm-<env>.txt; MAKE_ENVS_REFRESH=1
-#   resolves afresh and rewrites those records.
-# - Runs `python -m pytest tests -q` in each env from the repo root; junit XML and the
-#   full log of each run go to build/matrix/<run>.{xml,log}.
+# - First builds or updates every .venvs/mlxvlm-<env> (scripts/env/build.sh, idempotent), a few
+#   at a time (MATRIX_ENV_JOBS, default 3: mostly downloads), with the exact versions recorded in
+#   scripts/env/constraints/mlxvlm-<env>.txt; MAKE_ENVS_REFRESH=1 resolves afresh and rewrites
+#   those records.
+# - Then runs `python -m pytest tests -q` in each env from the repo root, MATRIX_JOBS runs at a
+#   time (default: the number of cores, at most 2; the suites are single-threaded Python
+#   mostly), the longest first. junit XML and the full log of each run go to
+#   build/matrix/<run>.{xml,log}; each run's own time is in the table.
 # - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
 #   twice: "<env>" as users get it (upstream wins) and "<env>+forced" with
 #   COMPASS_COMPAT_FORCE_VENDORED=1, where the vendored model is the live one.
@@ -25,67 +28,106 @@ pins=("$@")
 for pin in "${pins[@]}"; do env_requirements "$pin" >/dev/null || exit 2; done
 out="$root/build/matrix"
 mkdir -p "$out"
+rm -f "$out"/*.row
 matrix_start=$(date +%s)
+cores=$(nproc 2>/dev/null || echo 1)
+jobs="${MATRIX_JOBS:-$(( cores < 2 ? cores : 2 ))}"
+env_jobs="${MATRIX_ENV_JOBS:-3}"
 
-rows=()      # "run|mlx-vlm|transformers|passed|failed|skipped|seconds|status"
-failed_runs=0
-total_passed=0; total_failed=0; total_skipped=0
+# Runs at most $1 background jobs at a time: call before starting one.
+throttle() { while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do wait -n 2>/dev/null || true; done; }
 
+# ---- environments
+env_start=$(date +%s)
 for pin in "${pins[@]}"; do
+  throttle "$env_jobs"
+  ( bash "$root/scripts/env/build.sh" "$pin" >"$out/env-$pin.log" 2>&1; echo $? >"$out/env-$pin.rc" ) &
+done
+wait
+ready=()
+for pin in "${pins[@]}"; do
+  if [ "$(cat "$out/env-$pin.rc")" = 0 ]; then
+    grep '^\[envs\]' "$out/env-$pin.log" | tail -n 1
+    ready+=("$pin")
+  else
+    echo "[matrix] $pin: environment could not be built; last lines of $out/env-$pin.log:"
+    tail -n 20 "$out/env-$pin.log" | sed 's/^/    /'
+    echo "$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED" >"$out/$pin.row"
+  fi
+done
+env_seconds=$(( $(date +%s) - env_start ))
+echo "[matrix] environments: ${env_seconds}s"
+
+# ---- runs: "<label>|<env>|<force>", the environments whose mlx-vlm ships cohere_compass first
+# (two runs each, and the live-reference tests run there).
+runs=(); later=()
+for pin in "${ready[@]}"; do
   env="$(env_dir "$pin")"
-  if ! bash "$root/scripts/env/build.sh" "$pin"; then
-    echo "[matrix] $pin: environment could not be built" >&2
-    rows+=("$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED"); failed_runs=$((failed_runs + 1)); continue
-  fi
-  py="$env/bin/python"
-  runs=("$pin|0")
-  # Upstream ships cohere_compass on this pin: also run with the vendored copy forced.
   if compgen -G "$env/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
-    runs+=("$pin+forced|1")
+    runs+=("$pin+forced|$pin|1" "$pin|$pin|0")
+  else
+    later+=("$pin|$pin|0")
   fi
-  for run in "${runs[@]}"; do
-    label="${run%|*}"; force="${run#*|}"
-    xml="$out/$label.xml"; log="$out/$label.log"
-    rm -f "$xml"
-    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
-    start=$(date +%s)
-    # shellcheck disable=SC2086
-    (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED="$force" "$py" -m pytest tests -q \
-        --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
-    rc=$?
-    seconds=$(( $(date +%s) - start ))
-    passed=0; failed=0; skipped=0
-    if [ -f "$xml" ]; then
-      read -r passed failed skipped < <("$py" "$root/scripts/check/junit_counts.py" "$xml")
-    fi
-    case $rc in
-      0) status=ok ;;
-      5) status="FAILED (no tests collected)" ;;
-      *) status="FAILED (pytest exit $rc)" ;;
-    esac
-    if [ $rc -ne 0 ]; then
-      failed_runs=$((failed_runs + 1))
-      echo "[matrix] $label: $status; last lines of $log:"
-      tail -n 40 "$log" | sed 's/^/    /'
-    else
-      tail -n 1 "$log" | sed "s/^/[matrix] $label: /"
-    fi
-    version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx-vlm'))" 2>/dev/null || echo "?")
-    tf=$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || echo "?")
-    rows+=("$label|$version|$tf|$passed|$failed|$skipped|$seconds|$status")
+done
+runs+=("${later[@]}")
+
+run_one() {
+  local label="$1" pin="$2" force="$3"
+  local py xml="$out/$label.xml" log="$out/$label.log" start rc seconds status
+  local passed=0 failed=0 skipped=0 version tf
+  py="$(env_dir "$pin")/bin/python"
+  rm -f "$xml"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED="$force" "$py" -m pytest tests -q \
+      --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - start ))
+  if [ -f "$xml" ]; then
+    read -r passed failed skipped < <("$py" "$root/scripts/check/junit_counts.py" "$xml")
+  fi
+  case $rc in
+    0) status=ok ;;
+    5) status="FAILED (no tests collected)" ;;
+    *) status="FAILED (pytest exit $rc)" ;;
+  esac
+  if [ $rc -ne 0 ]; then
+    echo "[matrix] $label: $status in ${seconds}s; last lines of $log:"
+    tail -n 40 "$log" | sed 's/^/    /'
+  else
+    echo "[matrix] $label ($seconds s): $(tail -n 1 "$log")"
+  fi
+  version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx-vlm'))" 2>/dev/null || echo "?")
+  tf=$("$py" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || echo "?")
+  echo "$label|$version|$tf|$passed|$failed|$skipped|$seconds|$status" >"$out/$label.row"
+}
+
+echo "[matrix] ${#runs[@]} runs, $jobs at a time: $(printf '%s ' "${runs[@]%%|*}")"
+for run in "${runs[@]}"; do
+  IFS='|' read -r label pin force <<<"$run"
+  throttle "$jobs"
+  echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
+  run_one "$label" "$pin" "$force" &
+done
+wait
+
+# ---- table, in the matrix's order
+failed_runs=0; total_passed=0; total_failed=0; total_skipped=0
+wall=$(( $(date +%s) - matrix_start ))
+echo
+printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
+for pin in "${pins[@]}"; do
+  for label in "$pin" "$pin+forced"; do
+    [ -f "$out/$label.row" ] || continue
+    IFS='|' read -r label version tf passed failed skipped seconds status <"$out/$label.row"
+    printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"
+    [ "$status" = ok ] || failed_runs=$((failed_runs + 1))
+    [ "$passed" = - ] && continue
     total_passed=$((total_passed + passed)); total_failed=$((total_failed + failed))
     total_skipped=$((total_skipped + skipped))
   done
 done
-
-wall=$(( $(date +%s) - matrix_start ))
-echo
-printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
-for row in "${rows[@]}"; do
-  IFS='|' read -r label version tf passed failed skipped seconds status <<<"$row"
-  printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"
-done
-echo "[matrix] wall time ${wall}s (environments included); logs in build/matrix/"
+echo "[matrix] wall time ${wall}s (environments ${env_seconds}s, then runs $jobs at a time); logs in build/matrix/"
 if [ $failed_runs -gt 0 ] && [ $total_failed -eq 0 ]; then
   total_failed=$failed_runs  # a run that failed without failing tests (no tests, crash, env)
 fi
