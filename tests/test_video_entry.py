@@ -59,27 +59,15 @@ def clip_files(tmp_path_factory):
         video = meta["videos"][0]
         if video["clip"] in out:
             continue
-        if "file" in video:  # a committed clip (the README's example)
+        if "file" in video:  # a committed clip (the README's example), read as the recorder read it
+            from scripts._lib.video_fixtures import read_all_frames
+
             path = REPO / video["file"]
             out[video["clip"]] = (path, read_all_frames(path))
         else:
             frames = make_clip(*video["shape"])
             out[video["clip"]] = (write_clip(folder / f"{video['clip']}.avi", frames, video["fps"]), frames)
     return out
-
-
-def read_all_frames(path: pathlib.Path) -> np.ndarray:
-    import cv2
-
-    cap = cv2.VideoCapture(str(path))
-    frames = []
-    while True:
-        ok, frame = cap.read()
-        if not ok:
-            break
-        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-    cap.release()
-    return np.stack(frames)
 
 
 @pytest.fixture(scope="module")

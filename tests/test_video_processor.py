@@ -53,11 +53,13 @@ VIDEO_PART = "<|VISION_START|><|VIDEO_PAD|><|VISION_END|>"
 @functools.lru_cache(maxsize=None)
 def expected(name: str) -> dict:
     """The recorded arrays of a case, pixel values unpacked."""
+    from scripts._lib.video_fixtures import unpack_levels  # the recorder's packing, reversed
+
     with np.load(FIXTURES / INDEX["cases"][name]["file"], allow_pickle=False) as archive:
         arrays = dict(archive)
-    arrays["pixel_values_videos"] = recorder.unpack_pixels(arrays.pop("pixel_codes"), arrays.pop("pixel_levels"))
+    arrays["pixel_values_videos"] = unpack_levels(arrays.pop("pixel_codes"), arrays.pop("pixel_levels"))
     if "image_codes" in arrays:
-        arrays["pixel_values"] = recorder.unpack_pixels(arrays.pop("image_codes"), arrays.pop("image_levels"))
+        arrays["pixel_values"] = unpack_levels(arrays.pop("image_codes"), arrays.pop("image_levels"))
     for value in arrays.values():
         value.flags.writeable = False
     return arrays

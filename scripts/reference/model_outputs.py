@@ -44,6 +44,7 @@ import numpy as np
 
 from compass_data import tiny
 from scripts._lib import reference as _reference
+from scripts._lib.video_fixtures import pack_levels, unpack_levels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -291,26 +292,17 @@ def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
     n = pixel_values.shape[0]
     frames = pixel_values.reshape(n, 3, 2, -1)
     assert np.array_equal(frames[:, :, 0], frames[:, :, 1]), "still image: both temporal slots equal"
-    frame0 = frames[:, :, 0]  # [N, 3, P*P]
-    levels = np.zeros((3, 256), dtype=np.float32)
-    codes = np.zeros(frame0.shape, dtype=np.uint8)
-    for c in range(3):
-        distinct = np.unique(frame0[:, c])
-        assert len(distinct) <= 256, "at most 256 levels per channel"
-        levels[c, : len(distinct)] = distinct
-        levels[c, len(distinct) :] = distinct[-1]
-        codes[:, c] = np.searchsorted(distinct, frame0[:, c])
-    packed = {"pixel_values_codes": codes.reshape(n, -1), "pixel_values_levels": levels}
+    codes, levels = pack_levels(frames[:, :, 0].reshape(n, -1))  # the first slot, [N, 3*P*P]
+    packed = {"pixel_values_codes": codes, "pixel_values_levels": levels}
     assert np.array_equal(unpack_pixel_values(**packed).view(np.uint32), pixel_values.view(np.uint32))
     return packed
 
 
 def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixel_values`: the code of ``compass_compat.checklist.harness``, kept here
-    because this script must not import compass_compat (importing it patches mlx-vlm)."""
+    """Inverse of :func:`pack_pixel_values`. ``compass_compat.checklist.harness`` has its own: this
+    script must not import compass_compat (importing it patches mlx-vlm)."""
     n = pixel_values_codes.shape[0]
-    codes = pixel_values_codes.reshape(n, 3, 1, -1).astype(np.intp)
-    frame0 = np.take_along_axis(pixel_values_levels[None, :, None, :], codes, axis=-1)
+    frame0 = unpack_levels(pixel_values_codes, pixel_values_levels).reshape(n, 3, 1, -1)
     return np.repeat(frame0, 2, axis=2).reshape(n, -1)
 
 

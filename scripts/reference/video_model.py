@@ -10,7 +10,7 @@ default toy checkpoint, the reference's own processor (``AutoProcessor``, frames
 ``do_sample_frames=False`` and explicit metadata, so the frame rules are the processor fixtures'
 business, not these) turns the messages and clips into inputs, and
 ``CohereCompassForConditionalGeneration`` (float32, eager, CPU) gives: ``input_ids``,
-``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, see ``pack_levels``),
+``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, ``scripts._lib.video_fixtures``),
 ``video_grid_thw``, the image inputs where the case has an image, ``position_ids`` and
 ``rope_deltas`` from ``get_rope_index``, ``video_features`` and ``video_deepstack_features``,
 ``prefill_logits`` [L, V], and 32 greedy ids with their logits (no cache, checked against the
@@ -30,6 +30,7 @@ import numpy as np
 
 from compass_data import clips, tiny, toy
 from scripts._lib import reference as _reference
+from scripts._lib.video_fixtures import pack_levels, read_all_frames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "video_model"
@@ -94,17 +95,7 @@ def file_clip_frames(name: str) -> np.ndarray:
     spec = FILE_CLIPS[name]
     if not isinstance(spec, str):
         return clips.make_clip(*spec)
-    import cv2
-
-    cap = cv2.VideoCapture(str(ROOT / spec))
-    frames = []
-    while True:
-        ok, frame = cap.read()
-        if not ok:
-            break
-        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-    cap.release()
-    return np.stack(frames)
+    return read_all_frames(ROOT / spec)
 
 
 def messages(parts) -> List[dict]:
@@ -112,25 +103,6 @@ def messages(parts) -> List[dict]:
     for part in parts:
         content.append({"type": part[0], "text": part[1]} if part[0] == "text" else {"type": part[0]})
     return [{"role": "user", "content": content}]
-
-
-def pack_levels(values: np.ndarray) -> Dict[str, np.ndarray]:
-    """Lossless compact form of pixel values [N, 3*T*P*P] whose every value is one of at most 256
-    per channel (8-bit samples, rescaled and normalised): per channel the sorted distinct float32
-    values (``levels`` [3, 256]) and per entry its code (``codes`` uint8, same shape)."""
-    n = values.shape[0]
-    per_channel = values.reshape(n, 3, -1)
-    levels = np.zeros((3, 256), dtype=np.float32)
-    codes = np.zeros(per_channel.shape, dtype=np.uint8)
-    for c in range(3):
-        distinct = np.unique(per_channel[:, c])
-        assert len(distinct) <= 256, "at most 256 levels per channel"
-        levels[c, : len(distinct)] = distinct
-        levels[c, len(distinct) :] = distinct[-1]
-        codes[:, c] = np.searchsorted(distinct, per_channel[:, c])
-    restored = np.take_along_axis(levels[None], codes.reshape(n, 3, -1).astype(np.intp), axis=-1)
-    assert np.array_equal(restored.reshape(values.shape).view(np.uint32), values.view(np.uint32))
-    return {"codes": codes.reshape(values.shape), "levels": levels}
 
 
 class Reference:
@@ -229,13 +201,13 @@ class Reference:
             "mm_token_type_ids": inputs["mm_token_type_ids"].numpy().astype(np.int64),
             "video_grid_thw": inputs["video_grid_thw"].numpy().astype(np.int64),
         }
-        packed = pack_levels(inputs["pixel_values_videos"].numpy())
-        arrays.update(pixel_values_videos_codes=packed["codes"], pixel_values_videos_levels=packed["levels"])
+        codes, levels = pack_levels(inputs["pixel_values_videos"].numpy())
+        arrays.update(pixel_values_videos_codes=codes, pixel_values_videos_levels=levels)
         if "pixel_values" in inputs:
-            packed = pack_levels(inputs["pixel_values"].numpy())
+            codes, levels = pack_levels(inputs["pixel_values"].numpy())
             arrays.update(
-                pixel_values_codes=packed["codes"],
-                pixel_values_levels=packed["levels"],
+                pixel_values_codes=codes,
+                pixel_values_levels=levels,
                 image_grid_thw=inputs["image_grid_thw"].numpy().astype(np.int64),
             )
         with torch.no_grad():

@@ -48,6 +48,7 @@ import numpy as np
 
 from compass_data import clips, tiny
 from scripts._lib import reference as _reference
+from scripts._lib.video_fixtures import pack_levels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "tests" / "fixtures" / "video"
@@ -256,32 +257,7 @@ CASES: Dict[str, dict] = {
 }
 
 
-# --------------------------------------------------------------------------- packing
-def pack_pixels(pixel_values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [N, C*T*P*P], levels float32 [3, 256]): per channel, the sorted distinct values
-    (padded with the last) and each entry's index into them. Lossless; checked."""
-    n, width = pixel_values.shape
-    per_channel = pixel_values.reshape(n, 3, -1)
-    levels = np.zeros((3, 256), dtype=np.float32)
-    codes = np.zeros(per_channel.shape, dtype=np.uint8)
-    for c in range(3):
-        distinct = np.unique(per_channel[:, c])
-        assert len(distinct) <= 256, "at most 256 levels per channel"
-        levels[c, : len(distinct)] = distinct
-        levels[c, len(distinct) :] = distinct[-1]
-        codes[:, c] = np.searchsorted(distinct, per_channel[:, c])
-    codes = codes.reshape(n, width)
-    assert np.array_equal(unpack_pixels(codes, levels).view(np.uint32), pixel_values.view(np.uint32))
-    return codes, levels
-
-
-def unpack_pixels(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixels` (tests/test_video_processor.py has the same three lines)."""
-    n = codes.shape[0]
-    per_channel = codes.reshape(n, 3, -1).astype(np.intp)
-    return np.take_along_axis(levels[None], per_channel, axis=-1).reshape(n, -1)
-
-
+# --------------------------------------------------------------------------- writing
 def save_npz(path: pathlib.Path, arrays: Dict[str, np.ndarray]) -> None:
     """np.savez_compressed with fixed zip dates: the same arrays give the same bytes."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
@@ -451,7 +427,7 @@ def record_processor_case(reference: Reference, name: str, case: dict) -> Tuple[
     expanded = tokenizer.decode(ids[0].tolist())
     if tokenizer(expanded, add_special_tokens=False)["input_ids"] != ids[0].tolist():
         raise SystemExit(f"{name}: the decoded prompt does not tokenize back to the ids")
-    codes, levels = pack_pixels(np.asarray(out["pixel_values_videos"], dtype=np.float32))
+    codes, levels = pack_levels(np.asarray(out["pixel_values_videos"], dtype=np.float32))
     arrays = {
         "input_ids": ids,
         "mm_token_type_ids": np.asarray(out["mm_token_type_ids"], dtype=np.int64),
@@ -460,7 +436,7 @@ def record_processor_case(reference: Reference, name: str, case: dict) -> Tuple[
         "pixel_levels": levels,
     }
     if "image_grid_thw" in out:
-        image_codes, image_levels = pack_pixels(np.asarray(out["pixel_values"], dtype=np.float32))
+        image_codes, image_levels = pack_levels(np.asarray(out["pixel_values"], dtype=np.float32))
         arrays.update(image_grid_thw=np.asarray(out["image_grid_thw"], dtype=np.int64))
         arrays.update(image_codes=image_codes, image_levels=image_levels)
     sampled, resized = [], []
