@@ -11,7 +11,7 @@
 #   those records.
 # - Then runs `python -m pytest tests -q` in each env from the repo root, MATRIX_JOBS runs at a
 #   time (default: the number of cores, at most 2; the suites are single-threaded Python
-#   mostly), the longest first. junit XML and the full log of each run go to
+#   mostly), newest pin first. junit XML and the full log of each run go to
 #   build/matrix/<run>.{xml,log}; each run's own time is in the table.
 # - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
 #   twice: "<env>" as users get it (upstream wins) and "<env>+forced" with
@@ -58,18 +58,18 @@ done
 env_seconds=$(( $(date +%s) - env_start ))
 echo "[matrix] environments: ${env_seconds}s"
 
-# ---- runs: "<label>|<env>|<force>", the environments whose mlx-vlm ships cohere_compass first
-# (two runs each, and the live-reference tests run there).
-runs=(); later=()
-for pin in "${ready[@]}"; do
+# ---- runs: "<label>|<env>|<force>", newest pin first: newer pins skip fewer tests and the
+# reference environment runs the live-reference tests, so the longest runs start first and the
+# short ones fill the end.
+runs=()
+for (( i = ${#ready[@]} - 1; i >= 0; i-- )); do
+  pin="${ready[i]}"
   env="$(env_dir "$pin")"
   if compgen -G "$env/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
-    runs+=("$pin+forced|$pin|1" "$pin|$pin|0")
-  else
-    later+=("$pin|$pin|0")
+    runs+=("$pin+forced|$pin|1")
   fi
+  runs+=("$pin|$pin|0")
 done
-runs+=("${later[@]}")
 
 run_one() {
   local label="$1" pin="$2" force="$3"
