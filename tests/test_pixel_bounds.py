@@ -19,12 +19,12 @@ import warnings
 
 import numpy as np
 import pytest
-from _reference_probe import reference_problem
-from vendored import vendored
 
 from compass_compat import checkpoint_checks
 from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
 from compass_data.tiny import build_tiny_checkpoint
+from tests.lib.reference_probe import reference_problem
+from tests.lib.vendored import vendored
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def _has_reference() -> bool:
     # differently there (measured with 5.17: tokenizer_config.json's min_pixels or max_pixels
     # alone is not applied, a call `size` beats a from_pretrained min_pixels); the reference is
     # 5.21+'s behaviour, so one without it is skipped like a missing one.
-    if reference_problem() is not None:  # tests/_reference_probe.py
+    if reference_problem() is not None:  # tests/lib/reference_probe.py
         return False
     try:
         importlib.import_module("transformers.models.cohere_compass.image_processing_pil_cohere_compass")

@@ -13,10 +13,10 @@ import pathlib
 
 import numpy as np
 import pytest
-from _reference_probe import reference_problem
 from safetensors.numpy import load_file
 
 from compass_data import tiny
+from tests.lib.reference_probe import reference_problem
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIVE_CASES = ["text_short", "img_448"]
@@ -39,7 +39,7 @@ def _why_no_reference():
         return f"needs torch and transformers >= 5.21 (the mlxvlm-0.7.10 env): {e}"
     if not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         return f"transformers {transformers.__version__} has no CohereCompassForConditionalGeneration"
-    return reference_problem()  # tests/_reference_probe.py
+    return reference_problem()  # tests/lib/reference_probe.py
 
 
 def _sha256(path: pathlib.Path) -> str:

@@ -5,8 +5,7 @@ it applies: what ``mlx_vlm.load`` raises on this pin (mlx-vlm's loader reads con
 and the weights before any compass-compat code runs, so some of those errors are mlx-vlm's
 or MLX's own) and what ``compass_compat.checkpoint_checks.validate_checkpoint`` (the
 pre-flight a host can run, and that the vendored processor runs on every load) raises.
-Per-pin differences are spelled out next to the case. test_process_health.py reuses
-:data:`BROKEN` to check that the process keeps working after each failure.
+Per-pin differences are spelled out next to the case (tests/lib/broken_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -15,333 +14,39 @@ import json
 import pickle
 import re
 import shutil
-import struct
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict
 
 import numpy as np
 import pytest
-from _mlx import chat_prompt as prompt_for
-from _mlx import greedy_ids
 from PIL import Image
-from vendored import vendored
+
+from scripts._lib.mlx_vlm_run import chat_prompt as prompt_for
+from tests.lib.broken_checkpoints import BROKEN, make_broken
+from tests.lib.checkpoints import copy_checkpoint, edit_json, quantize_checkpoint
+from tests.lib.host_calls import MAX_TOKENS, generate, load
+from tests.lib.images import png_claiming
+from tests.lib.vendored import vendored
 
 compass = vendored("cohere_compass")
 processing = vendored("processing_cohere_compass")
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from safetensors.numpy import load_file, save_file  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 from compass_compat.checkpoint_checks import CheckpointError, expected_tensors, validate_checkpoint  # noqa: E402
-from compass_data.tiny import PADDED_VOCAB_SIZE, special_token_ids  # noqa: E402
+from compass_data.tiny import special_token_ids  # noqa: E402
 
 IDS = special_token_ids()
-MAX_TOKENS = 16
-OUTSIDE_MARKER = "compass-compat: this file lies outside the checkpoint folder"
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def load(path, **kwargs):
-    from mlx_vlm import load as mlx_vlm_load
-
-    return mlx_vlm_load(str(path), **kwargs)
-
-
-def generate(loaded, prompt: str, images=None, max_tokens: int = MAX_TOKENS, fed: Optional[list] = None, **kwargs):
-    """Greedy token ids through mlx-vlm's own stream_generate (what hosts call)."""
-    return greedy_ids(loaded, prompt, images, max_tokens, fed=fed, **kwargs)
-
-
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def edit_json(folder: Path, name: str, edit: Callable[[dict], None]) -> None:
-    data = json.loads((folder / name).read_text(encoding="utf-8"))
-    edit(data)
-    (folder / name).write_text(json.dumps(data), encoding="utf-8")
-
-
-def edit_weights(folder: Path, edit: Callable[[dict], None]) -> None:
-    weights = load_file(str(folder / "model.safetensors"))
-    edit(weights)
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def assert_refused(folder: Path, message: str) -> None:
-    """validate_checkpoint and the loader guard (before mlx-vlm reads the folder) both refuse it."""
-    with pytest.raises(CheckpointError, match=message):
-        validate_checkpoint(folder)
-    with pytest.raises(CheckpointError, match=message):
-        load(folder)
-
-
-def quantize_checkpoint(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
-    """An MLX-quantized copy (as mlx-vlm's convert writes one) of the tiny checkpoint."""
-    import mlx.nn as nn
-    from mlx_vlm.utils import load_model
-
-    copy_checkpoint(src, dst)
-    model = load_model(dst)
-
-    def predicate(path, module):
-        weight = getattr(module, "weight", None)
-        return hasattr(module, "to_quantized") and weight.shape[-1] % group_size == 0 and weight.size % 64 == 0
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "mlx"})
-    edit_json(dst, "config.json", lambda c: c.__setitem__("quantization", {"group_size": group_size, "bits": bits}))
-    return dst
-
-
-def png_claiming(path: Path, width: int, height: int) -> Path:
-    """A tiny PNG whose header claims ``width`` x ``height`` (nothing is ever decoded)."""
-    Image.new("RGB", (1, 1)).save(path)
-    data = bytearray(path.read_bytes())
-    start = data.index(b"IHDR")
-    data[start + 4 : start + 12] = struct.pack(">II", width, height)
-    data[start + 17 : start + 21] = struct.pack(">I", zlib.crc32(bytes(data[start : start + 17])))
-    path.write_bytes(bytes(data))
-    return path
 
 
 # ---------------------------------------------------------------- broken checkpoints
 
 
-@dataclass(frozen=True)
-class Broken:
-    """A broken copy of the tiny checkpoint and what each way of loading it raises.
-
-    ``load`` is ``(exception class, regex)`` for ``mlx_vlm.load`` on this pin (regex None: the
-    ``check`` one); ``check`` the
-    regex of :class:`CheckpointError` from ``validate_checkpoint``. ``quantized``: the case
-    starts from the 4-bit copy.
-    """
-
-    name: str
-    edit: Callable[[Path], None]
-    load: Tuple[type, str]
-    check: str
-    quantized: bool = False
-
-
-def _unlink(name):
-    return lambda d: (d / name).unlink()
-
-
-def _config(edit):
-    return lambda d: edit_json(d, "config.json", edit)
-
-
-def _text(edit):
-    return _config(lambda c: edit(c["text_config"]))
-
-
-def _preprocessor(edit):
-    return lambda d: edit_json(d, "preprocessor_config.json", edit)
-
-
-def _truncate(keep: Callable[[int], int]):
-    def edit(d):
-        data = (d / "model.safetensors").read_bytes()
-        (d / "model.safetensors").write_bytes(data[: keep(len(data))])
-
-    return edit
-
-
-def _pop_weight(key):
-    return lambda d: edit_weights(d, lambda w: w.pop(key))
-
-
-def _set_weight(key, value):
-    return lambda d: edit_weights(d, lambda w: w.__setitem__(key, value))
-
-
-def _set_quantization(block):
-    return _config(lambda c: c.__setitem__("quantization", block) if block else c.pop("quantization"))
-
-
-_PP = r"preprocessor_config\.json in .*: {} must be a positive integer, got {}; restore it from the published"
-# The shim's loader guard runs validate_checkpoint first for folders whose config.json says
-# cohere_compass, so mlx_vlm.load raises the same CheckpointError as the check.
-GUARDED = (CheckpointError, None)
-
-BROKEN: List[Broken] = [
-    # Folders that are not (recognisably) cohere_compass keep mlx-vlm's own error.
-    Broken(
-        "missing_config",
-        _unlink("config.json"),
-        (FileNotFoundError, r"^Config not found at "),
-        r"has no config\.json; a checkpoint folder needs the config\.json published with its weights",
-    ),
-    # Not JSON: nothing says which model it is, but the guard reports it (a ValueError, as json's).
-    Broken(
-        "config_not_json",
-        lambda d: (d / "config.json").write_text("{not json", encoding="utf-8"),
-        GUARDED,
-        r"config\.json in .* is not valid JSON \(Expecting property name .* at line 1, column 2\); restore",
-    ),
-    Broken(
-        "model_type_other",
-        _config(lambda c: c.__setitem__("model_type", "cohere_compass_text")),
-        (ValueError, r"^Model type cohere_compass_text not supported"),
-        r"model_type 'cohere_compass_text', not 'cohere_compass': this is not a cohere_compass",
-    ),
-    # mlx-vlm lower-cases model_type to find the package, so this one reaches the guard.
-    Broken(
-        "model_type_case",
-        _config(lambda c: c.__setitem__("model_type", "Cohere_Compass")),
-        GUARDED,
-        r"model_type 'Cohere_Compass', not 'cohere_compass'",
-    ),
-    Broken(
-        "no_text_config",
-        _config(lambda c: c.pop("text_config")),
-        GUARDED,
-        r"config\.json in .* has no text_config: the reference's defaults .* Copy the text_config block",
-    ),
-    Broken(
-        "no_vision_config",
-        _config(lambda c: c.pop("vision_config")),
-        GUARDED,
-        r"has no vision_config: .* Copy the vision_config block",
-    ),
-    Broken(
-        "text_hidden_size_missing",
-        _text(lambda t: t.pop("hidden_size")),
-        GUARDED,
-        r"sums to 8, but head_dim // 2 is 1024\. .* leaves text_config\.hidden_size to the reference's defaults",
-    ),
-    Broken(
-        "text_vocab_size_missing",
-        _text(lambda t: t.pop("vocab_size")),
-        GUARDED,
-        rf"embed_tokens\.weight \(in model\.safetensors\) has shape \[{PADDED_VOCAB_SIZE}, 64\] but config\.json implies "
-        r"\[256000, 64\].* leaves text_config\.vocab_size to the reference's defaults",
-    ),
-    Broken(
-        "vision_out_hidden_size_missing",
-        _config(lambda c: c["vision_config"].pop("out_hidden_size")),
-        GUARDED,
-        r"has shape \[64, 128\] but config\.json implies \[3584, 128\].*vision_config\.out_hidden_size",
-    ),
-    # The reference cannot build a model without rope_parameters (KeyError); the vendored
-    # config would silently run every layer without rotation, so the check refuses it.
-    Broken(
-        "text_rope_parameters_missing",
-        _text(lambda t: t.pop("rope_parameters")),
-        GUARDED,
-        r"text_config has no rope_parameters.* Copy rope_parameters from the published config\.json",
-    ),
-    Broken(
-        "layer_types_length",
-        _text(lambda t: t.__setitem__("layer_types", ["full_attention"] * 3)),
-        GUARDED,
-        r"layer_types has 3 entries but num_hidden_layers is 8; give one type per layer\. Fix that value",
-    ),
-    Broken(
-        "mrope_section_sum",
-        _text(lambda t: t["rope_parameters"]["sliding_attention"].__setitem__("mrope_section", [4, 2, 1])),
-        GUARDED,
-        r"mrope_section \[4, 2, 1\] sums to 7, but head_dim // 2 is 8\. Fix that value",
-    ),
-    Broken(
-        "missing_tensor",
-        _pop_weight("model.language_model.layers.3.mlp.up_proj.weight"),
-        GUARDED,
-        r"1 tensor\(s\) the model needs are not stored, e\.g\. "
-        r"language_model\.model\.layers\.3\.mlp\.up_proj\.weight\."
-        r" The weights are incomplete or for another configuration: re-download",
-    ),
-    Broken(
-        "unexpected_tensor",
-        _set_weight("model.language_model.layers.0.post_attention_layernorm.weight", np.ones(64, np.float32)),
-        GUARDED,
-        r"1 stored tensor\(s\) that the cohere_compass model does not have, e\.g\. "
-        r"model\.language_model\.layers\.0\."
-        r"post_attention_layernorm\.weight .*A post_attention_layernorm means these weights are not cohere_compass",
-    ),
-    Broken(
-        "wrong_shape",
-        _set_weight("model.language_model.layers.1.self_attn.k_proj.weight", np.zeros((8, 64), np.float32)),
-        GUARDED,
-        r"model\.language_model\.layers\.1\.self_attn\.k_proj\.weight \(in model\.safetensors\) has shape \[8, 64\] "
-        r"but config\.json implies \[32, 64\]; config\.json and the weights disagree",
-    ),
-    Broken(
-        "truncated_weights",
-        _truncate(lambda n: n // 2),
-        GUARDED,
-        r"model\.safetensors in .* is truncated: its header describes \d+ bytes of tensor data but the file "
-        r"holds \d+; the download was interrupted: download the file again",
-    ),
-    Broken(
-        "truncated_header",
-        _truncate(lambda n: 100),
-        GUARDED,
-        r"model\.safetensors in .* is not a valid safetensors file \(its header claims \d+ bytes but the file "
-        r"holds 92 after the length\); .*download it again",
-    ),
-    Broken(
-        "quantization_bits_disagree",
-        _set_quantization({"group_size": 32, "bits": 8}),
-        GUARDED,
-        r"quantization block says bits=8, group_size=32, but .* is stored with 4 bits and group size 32 .*"
-        r"Set quantization to \{\"group_size\": 32, \"bits\": 4\}",
-        quantized=True,
-    ),
-    Broken(
-        "quantization_group_disagree",
-        _set_quantization({"group_size": 64, "bits": 4}),
-        GUARDED,
-        r"says bits=4, group_size=64, but .* is stored with 4 bits and group size 32",
-        quantized=True,
-    ),
-    Broken(
-        "quantization_block_missing",
-        _set_quantization(None),
-        GUARDED,
-        r"shows the weights are quantized \(4-bit, group size 32\), but config\.json has no quantization block.*"
-        r"Add \"quantization\": \{\"group_size\": 32, \"bits\": 4, \"mode\": \"affine\"\}",
-        quantized=True,
-    ),
-    Broken(
-        "preprocessor_min_pixels_zero",
-        _preprocessor(lambda p: p["size"].__setitem__("shortest_edge", 0)),
-        GUARDED,
-        _PP.format(r"size\.shortest_edge", "0"),
-    ),
-    Broken(
-        "preprocessor_max_pixels_negative",
-        _preprocessor(lambda p: p["size"].__setitem__("longest_edge", -1)),
-        GUARDED,
-        _PP.format(r"size\.longest_edge", "-1"),
-    ),
-    Broken(
-        "preprocessor_patch_size_negative",
-        _preprocessor(lambda p: p.__setitem__("patch_size", -16)),
-        GUARDED,
-        _PP.format("patch_size", "-16"),
-    ),
-]
-
-
 @pytest.fixture(scope="session")
 def quantized_ckpt(tiny_ckpt_original, tmp_path_factory) -> Path:
     return quantize_checkpoint(tiny_ckpt_original, tmp_path_factory.mktemp("q4") / "ckpt")
-
-
-def make_broken(case: Broken, good: Path, quantized: Path, where: Path) -> Path:
-    folder = copy_checkpoint(quantized if case.quantized else good, where / case.name)
-    case.edit(folder)
-    return folder
 
 
 def test_the_good_checkpoints_pass_every_check(tiny_ckpt_original, tiny_ckpt_mlx, quantized_ckpt):
@@ -392,6 +97,15 @@ def pattern_dotall(pattern: str) -> str:
 
 
 # ---------------------------------------------------------------- loading is safe
+
+
+def assert_refused(folder: Path, message: str) -> None:
+    """validate_checkpoint and the loader guard (before mlx-vlm reads the folder) both refuse it."""
+    with pytest.raises(CheckpointError, match=message):
+        validate_checkpoint(folder)
+    with pytest.raises(CheckpointError, match=message):
+        load(folder)
+
 
 EVIL_CODE = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n"
 
@@ -733,7 +447,7 @@ def test_empty_prompt_generates_from_bos(loaded):
 
 
 def test_prompt_longer_than_several_sliding_windows(loaded, reference):
-    from parity import greedy
+    from scripts._lib.parity import greedy
 
     case = reference("text_long")  # 132 tokens: more than 8 windows of 16
     want = case["greedy_ids"].tolist()[:MAX_TOKENS]

@@ -19,15 +19,15 @@ import json
 import pathlib
 from typing import Dict, List, Tuple
 
-import _mlx
 import numpy as np
 import pytest
-from _mlx import load
-from _quant import quantize_folder
 from PIL import Image
-from vendored import vendored
 
 from compass_data import boxes, shapes, shapes_pil, toy
+from scripts._lib import mlx_vlm_run
+from scripts._lib.mlx_vlm_run import load
+from scripts._lib.quantize import quantize_folder
+from tests.lib.vendored import vendored
 
 vendored()
 
@@ -88,7 +88,7 @@ def toy_folders(tmp_path_factory) -> Dict[str, pathlib.Path]:
 
 def answer_ids(path: pathlib.Path, prompt: str, image) -> List[int]:
     """Greedy ids through mlx-vlm's chat template and ``stream_generate``, end of turn dropped."""
-    ids = _mlx.answer_ids(path, prompt, image, REFERENCE["max_new_tokens"])
+    ids = mlx_vlm_run.answer_ids(path, prompt, image, REFERENCE["max_new_tokens"])
     return strip_eos(ids, load(str(path))[0].config.eos_token_id)
 
 
@@ -239,8 +239,8 @@ def test_plain_generate_gives_the_same_answers(toy_folders, pictures):
 
 
 def test_server_gives_the_cli_answer(toy_folders, pictures, tmp_path):
-    from _cli import greedy_cli_output
-    from test_server import Server, data_uri, reply_text
+    from tests.lib.cli_run import greedy_cli_output
+    from tests.lib.server import Server, data_uri, reply_text
 
     entry = REFERENCE["pictures"][0]
     _, image = pictures[key_of(entry)]
