@@ -271,18 +271,18 @@ def test_reference_file_is_what_transformers_answers_now(toy_folders, pictures):
         pytest.skip(f"transformers {transformers.__version__} has no cohere_compass")
     import torch
 
-    from scripts.toy import train as train_toy
+    from scripts._lib import toy_reference
 
     folder = toy_folders["float"]
     model = transformers.CohereCompassForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    ref = train_toy.Reference(folder)
+    ref = toy_reference.Reference(folder)
     with torch.no_grad():
         for entry in REFERENCE["pictures"][:: REFERENCE["test_pictures_per_bucket_and_renderer"]]:
             example, _ = pictures[key_of(entry)]
             for recorded in entry["answers"].values():
-                assert train_toy.greedy(model, ref, recorded["prompt"], example.pixels()) == recorded["ids"]
+                assert toy_reference.greedy(model, ref, recorded["prompt"], example.pixels()) == recorded["ids"]
 
 
 @pytest.mark.parametrize("kind", shapes.QUESTION_KINDS)
