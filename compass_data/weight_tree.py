@@ -3,7 +3,7 @@
 The one enumeration of the weight tree: the checkpoint checks, the tiny checkpoint builder and
 the full-size stand-in (``scripts/bench/build_fullsize.py``) all derive theirs from
 :func:`weight_tree`. It is written independently of the model code; a test checks that the two
-agree (``tests/test_reliability.py::test_expected_tensors_match_the_model_tree``).
+agree (``tests/test_broken_checkpoints.py::test_expected_tensors_match_the_model_tree``).
 
 Self-contained (no imports outside the standard library), so scripts that must not import the
 package (it patches mlx-vlm) can load it by path.

@@ -2,42 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import json
 import pathlib
 
 import pytest
 
-from compass_compat.checklist.harness import read_case_arrays
 from compass_data.tiny import build_tiny_checkpoint
+from scripts._lib.recorded import ReferenceFixtures
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
-REFERENCE_DIR = FIXTURES / "reference"
-IMAGES_DIR = FIXTURES / "images"
-
-
-class ReferenceFixtures:
-    """``reference("img_448")`` -> dict of read-only numpy arrays plus ``"meta"`` (its index entry).
-
-    Arrays: input_ids, prefill_logits, greedy_ids, greedy_logits; image cases also pixel_values,
-    image_grid_thw, mm_token_type_ids, position_ids, rope_deltas, image_features,
-    deepstack_features. ``reference.index`` is index.json; ``reference.cases`` the case names.
-    """
-
-    def __init__(self, directory: pathlib.Path = REFERENCE_DIR):
-        self.directory = directory
-        self.index = json.loads((directory / "index.json").read_text(encoding="utf-8"))
-        self.cases = list(self.index["cases"])
-
-    @functools.lru_cache(maxsize=None)
-    def _arrays(self, name: str) -> dict:
-        arrays = read_case_arrays(self.directory / self.index["cases"][name]["file"])
-        for value in arrays.values():
-            value.flags.writeable = False
-        return arrays
-
-    def __call__(self, name: str) -> dict:
-        return {**self._arrays(name), "meta": self.index["cases"][name]}
+IMAGES_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "images"
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +43,8 @@ def split_matmuls_over_cpu_lanes():
     """
     import importlib
 
-    from vendored import PACKAGE, is_vendored_file
-
     import compass_compat  # noqa: F401  (applies the patch)
+    from tests.lib.vendored import PACKAGE, is_vendored_file
 
     if not is_vendored_file(importlib.import_module(PACKAGE).__file__ or ""):
         yield

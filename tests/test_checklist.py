@@ -23,10 +23,10 @@ from typing import Any, Dict, Optional
 
 import mlx_vlm
 import pytest
-from vendored import upstream_ships
 
 import compass_compat
 from compass_compat import checklist
+from tests.lib.vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKLIST_MD = REPO / "CHECKLIST.md"

@@ -54,9 +54,8 @@ def main_in_process(capsys, *argv):
 def test_the_clis_sampling_rule_is_the_pins(tmp_path):
     """cli's rule (behind its "Sampling:" line) against this mlx-vlm's own generate: with no
     sampling option it samples from generation_config.json exactly where the rule says so."""
-    from test_generation_config import GENERATION_CONFIGS, mlx_vlm_run, token_ids, with_generation_config
-
     from compass_data.tiny import build_tiny_checkpoint
+    from tests.lib.generation_config import GENERATION_CONFIGS, mlx_vlm_run, token_ids, with_generation_config
 
     base = build_tiny_checkpoint(tmp_path / "base")
     path = with_generation_config(base, tmp_path, GENERATION_CONFIGS["published"](token_ids()))
@@ -141,7 +140,7 @@ def _reference_text(case, tokenizer_dir: Path) -> str:
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
 def test_generate_prints_the_transformers_greedy_text(capsys, tiny_ckpt_original, reference, fixture_images, name):
     """The CLI's text for a reference case is the decoded greedy ids transformers recorded."""
-    from vendored import vendored
+    from tests.lib.vendored import vendored
 
     vendored()  # the reference is transformers' model; upstream 0.7.10's differs
     case = reference(name)

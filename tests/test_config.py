@@ -1,7 +1,9 @@
 """Config parsing: tolerant of unknown keys, strict about values the model cannot run."""
 
 import pytest
-from vendored import vendored
+
+from tests.lib.reference_head import REFERENCE_HEAD
+from tests.lib.vendored import vendored
 
 cfg = vendored("config")
 
@@ -93,17 +95,6 @@ def tie_config(top, text):
     if top is not None:
         params["tie_word_embeddings"] = top
     return cfg.ModelConfig.from_dict(params)
-
-
-# (top, text, lm_head stored) -> the head transformers 5.24 runs (measured on the tiny
-# checkpoint, tests/test_tie_head.py re-measures it live): "embedding", "stored", or "random"
-# (no lm_head stored and not tied: newly initialised). Its text_config key is never read.
-REFERENCE_HEAD = {
-    (top, text, stored): ("stored" if stored else "embedding" if top else "random")
-    for top in (None, True, False)
-    for text in (None, True, False)
-    for stored in (False, True)
-}
 
 
 @pytest.mark.parametrize("top, text, stored", sorted(REFERENCE_HEAD, key=str))

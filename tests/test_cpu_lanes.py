@@ -6,8 +6,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from parity import prefill
-from vendored import vendored
+
+from scripts._lib.parity import prefill
+from tests.lib.vendored import vendored
 
 cpu_lanes = vendored("cpu_lanes")
 

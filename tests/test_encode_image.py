@@ -3,9 +3,10 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from _mlx import greedy_ids
-from parity import image_kwargs
-from vendored import vendored
+
+from scripts._lib.mlx_vlm_run import greedy_ids
+from scripts._lib.parity import image_kwargs
+from tests.lib.vendored import vendored
 
 compass = vendored("cohere_compass")
 

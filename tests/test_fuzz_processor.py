@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from vendored import by_path
+
+from tests.lib.vendored import by_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "compass_data" / "tiny_tokenizer"

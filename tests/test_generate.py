@@ -1,8 +1,9 @@
 """Greedy ids out of mlx-vlm's own load + stream_generate, after ``import compass_compat``."""
 
 import pytest
-from _mlx import greedy_ids
-from vendored import vendored
+
+from scripts._lib.mlx_vlm_run import greedy_ids
+from tests.lib.vendored import vendored
 
 vendored()
 

@@ -8,82 +8,30 @@ taken from ``compass_compat.cli``. Runs on whichever cohere_compass is live (ups
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-import shutil
 from pathlib import Path
-from typing import List, NamedTuple, Optional
 
 import pytest
 
 from compass_compat import cli
-from compass_data.tiny import build_tiny_checkpoint, tiny_generation_config
+from compass_data.tiny import build_tiny_checkpoint
+from tests.lib.generation_config import (
+    GENERATION_CONFIGS,
+    MAX_TOKENS,
+    PROMPT,
+    loaded,
+    mlx_vlm_run,
+    token_ids,
+    with_generation_config,
+)
 
-PROMPT = "Describe this picture."
-MAX_TOKENS = 12
-# The sampling keys of CohereLabs/North-Micro-Vision-Instruct's generation_config.json.
-PUBLISHED = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "do_sample")
-ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-# generation_config.json contents (None: no file); ids from the tiny tokenizer.
-GENERATION_CONFIGS = {
-    "published": lambda ids: {**ids, **PUBLISHED},
-    "do_sample_false": lambda ids: {**ids, **PUBLISHED, "do_sample": False},
-    "ids_only": lambda ids: dict(ids),
-    "absent": lambda ids: None,
-}
-
-
-class Run(NamedTuple):
-    text: str
-    ids: List[int]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("gencfg_base"))
-
-
-def token_ids() -> dict:
-    ids = tiny_generation_config()
-    return {key: ids[key] for key in ID_KEYS}
-
-
-def with_generation_config(base: Path, where: Path, content: Optional[dict]) -> Path:
-    """A copy of ``base`` whose generation_config.json is ``content`` (None: the file removed)."""
-    path = where / "ckpt"
-    shutil.copytree(base, path)
-    target = path / "generation_config.json"
-    if content is None:
-        target.unlink(missing_ok=True)
-    else:
-        target.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
-def loaded(path: str):
-    from mlx_vlm import load
-
-    return load(path)
-
-
-def mlx_vlm_run(path: Path, seed: int = 0, **sampling) -> Run:
-    """mlx-vlm's own generate on ``path``: the CLI's prompt, text only, seeded right before generating."""
-    import mlx.core as mx
-    from mlx_vlm import stream_generate
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    model, processor = loaded(str(path))
-    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=0)
-    mx.random.seed(seed)
-    pieces, seen = [], {}
-    for result in stream_generate(model, processor, prompt, max_tokens=MAX_TOKENS, **sampling):
-        pieces.append(result.text)
-        seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last token
-    return Run("".join(pieces), [seen[k] for k in sorted(seen)])
 
 
 def run_cli(capsys, path: Path, *flags: str, verbose: bool = False):

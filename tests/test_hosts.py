@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from _cli import greedy_cli_output  # noqa: E402
-from vendored import upstream_ships
 
 import compass_compat
 from compass_compat import startup
+from tests.lib.cli_run import greedy_cli_output
+from tests.lib.vendored import upstream_ships
 
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()

@@ -3,8 +3,16 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, image_kwargs, prefill
-from vendored import vendored
+
+from scripts._lib.parity import (
+    assert_decode_steps_match,
+    assert_prefill_matches,
+    chunked_prefill,
+    greedy,
+    image_kwargs,
+    prefill,
+)
+from tests.lib.vendored import vendored
 
 compass = vendored("cohere_compass")
 language = vendored("language")

@@ -21,93 +21,10 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from vendored import vendored
 
 from compass_data.tiny import tiny_config
-
-
-class HostSyncError(AssertionError):
-    """A device array was read back to the host (or evaluated) inside a guarded region."""
-
-
-# Methods of mx.array that evaluate the array and hand its data to Python.
-_ARRAY_METHODS = (
-    "item",
-    "tolist",
-    "__array__",
-    "__int__",
-    "__float__",
-    "__bool__",
-    "__index__",
-    "__repr__",
-    "__str__",
-    "__format__",
-    "__dlpack__",
-    "__getstate__",
-)
-# numpy entry points that copy a device array to the host (np.array uses the buffer protocol,
-# which no Python attribute of mx.array controls, so it is caught here).
-_NUMPY_FUNCS = ("array", "asarray", "asanyarray", "ascontiguousarray", "copy", "frombuffer")
-# Explicit evaluation: mx.eval blocks until the graph is computed.
-_MX_FUNCS = ("eval",)
-
-
-def _has_mx_array(value) -> bool:
-    if isinstance(value, mx.array):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_mx_array(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_mx_array(v) for v in value.values())
-    return False
-
-
-class HostSyncGuard:
-    """Context manager: raise (or count) on host synchronisation of MLX arrays.
-
-    ``mode="raise"`` raises :class:`HostSyncError` at the offending call; ``mode="count"``
-    records ``(name, count)`` in ``self.calls`` and lets the call through. Everything patched
-    is restored on exit.
-    """
-
-    def __init__(self, mode: str = "raise"):
-        if mode not in ("raise", "count"):
-            raise ValueError(f"mode must be 'raise' or 'count', got {mode!r}")
-        self.mode = mode
-        self.calls = {}
-        self._saved = []
-
-    def _hit(self, name: str, original):
-        def wrapper(*args, **kwargs):
-            if name.startswith("np.") and not (_has_mx_array(args) or _has_mx_array(kwargs)):
-                return original(*args, **kwargs)
-            self.calls[name] = self.calls.get(name, 0) + 1
-            if self.mode == "raise":
-                raise HostSyncError(f"host synchronisation inside a decode step: {name}")
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    def _patch(self, owner, attr: str, label: str) -> None:
-        original = getattr(owner, attr)
-        self._saved.append((owner, attr, original))
-        setattr(owner, attr, self._hit(label, original))
-
-    def __enter__(self):
-        for attr in _ARRAY_METHODS:
-            if hasattr(mx.array, attr):
-                self._patch(mx.array, attr, f"mx.array.{attr}")
-        for attr in _NUMPY_FUNCS:
-            self._patch(np, attr, f"np.{attr}")
-        for attr in _MX_FUNCS:
-            self._patch(mx, attr, f"mx.{attr}")
-        return self
-
-    def __exit__(self, *exc):
-        while self._saved:
-            owner, attr, original = self._saved.pop()
-            setattr(owner, attr, original)
-        return False
+from scripts._lib.host_sync import ARRAY_METHODS, NUMPY_FUNCS, HostSyncError, HostSyncGuard
+from tests.lib.vendored import vendored
 
 
 @contextlib.contextmanager
@@ -129,8 +46,8 @@ def no_evaluation(min_bytes: int):
         )
 
 
-# The guard above is also used by scripts/bench/fullsize.py (counting mode) for either implementation;
-# the tests below need the vendored model.
+# The guard (scripts/_lib/host_sync.py) counts for scripts/bench/fullsize.py too; the tests below
+# need the vendored model.
 vendored()
 
 # --------------------------------------------------------------------------- the model
@@ -287,8 +204,8 @@ def test_memory_witness_catches_a_sync_the_patches_cannot_see(model, monkeypatch
 
 
 def test_guard_counts_and_restores_everything():
-    before = {a: getattr(mx.array, a) for a in _ARRAY_METHODS if hasattr(mx.array, a)}
-    np_before = {a: getattr(np, a) for a in _NUMPY_FUNCS}
+    before = {a: getattr(mx.array, a) for a in ARRAY_METHODS if hasattr(mx.array, a)}
+    np_before = {a: getattr(np, a) for a in NUMPY_FUNCS}
     eval_before = mx.eval
     x = mx.array([1.0, 2.0])
     with HostSyncGuard("count") as guard:
@@ -298,5 +215,5 @@ def test_guard_counts_and_restores_everything():
         mx.eval(x)
     assert guard.calls == {"mx.array.tolist": 1, "np.array": 1, "mx.eval": 1}
     assert {a: getattr(mx.array, a) for a in before} == before
-    assert {a: getattr(np, a) for a in _NUMPY_FUNCS} == np_before
+    assert {a: getattr(np, a) for a in NUMPY_FUNCS} == np_before
     assert mx.eval is eval_before

@@ -2,7 +2,7 @@
 
 Folders with the published layouts of the files that decide the bounds (CohereLabs'
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose
-files disagree, and from_pretrained / call kwargs (the table: scripts/reference/pixel_bounds.py,
+files disagree, and from_pretrained / call kwargs (the table: scripts/_lib/pixel_bounds.py,
 the precedence: the "pixel bounds" section of the vendored image processor). Expected values come
 from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
 tests/fixtures/pixel_bounds.json, recorded from it by scripts/reference/pixel_bounds.py, on
@@ -12,33 +12,21 @@ and the checklist's probe all use the one resolution.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import pathlib
 import warnings
 
 import numpy as np
 import pytest
-from _reference_probe import reference_problem
-from vendored import vendored
 
 from compass_compat import checkpoint_checks
 from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
 from compass_data.tiny import build_tiny_checkpoint
+from scripts._lib import pixel_bounds as rec
+from tests.lib.reference_probe import reference_problem
+from tests.lib.vendored import vendored
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "record_pixel_bounds", ROOT / "scripts" / "reference" / "pixel_bounds.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rec = _script()
 FIXTURE = json.loads(rec.FIXTURE.read_text(encoding="utf-8"))
 pc = checkpoint_checks.processing_module()  # the vendored processing module, live or by path
 PIXEL_TOL = 1e-6  # as tests/test_processor.py: PIL resize is shared, float math may round differently
@@ -49,7 +37,7 @@ def _has_reference() -> bool:
     # differently there (measured with 5.17: tokenizer_config.json's min_pixels or max_pixels
     # alone is not applied, a call `size` beats a from_pretrained min_pixels); the reference is
     # 5.21+'s behaviour, so one without it is skipped like a missing one.
-    if reference_problem() is not None:  # tests/_reference_probe.py
+    if reference_problem() is not None:  # tests/lib/reference_probe.py
         return False
     try:
         importlib.import_module("transformers.models.cohere_compass.image_processing_pil_cohere_compass")

@@ -16,12 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from vendored import vendored
+
+from scripts._lib.mlx_vlm_run import chat_prompt as prompt_for
+from tests.lib.broken_checkpoints import BROKEN, make_broken
+from tests.lib.checkpoints import quantize_checkpoint
+from tests.lib.host_calls import generate, load
+from tests.lib.images import png_claiming
+from tests.lib.vendored import vendored
 
 vendored()
 
 import mlx.core as mx  # noqa: E402
-import test_reliability as rel  # noqa: E402  (the failure cases; a module object, nothing re-collected)
 
 from compass_data.tiny import build_tiny_checkpoint  # noqa: E402
 
@@ -121,8 +126,8 @@ def _result(run: subprocess.Popen):
 def generate_all(loaded, requests=REQUESTS) -> dict:
     out = {}
     for name, text, image in requests:
-        prompt = rel.prompt_for(loaded, text, 1 if image else 0)
-        out[name] = rel.generate(loaded, prompt, [image] if image else None, max_tokens=TOKENS)
+        prompt = prompt_for(loaded, text, 1 if image else 0)
+        out[name] = generate(loaded, prompt, [image] if image else None, max_tokens=TOKENS)
     return out
 
 
@@ -161,7 +166,7 @@ def fresh(runs, reference) -> dict:
 @pytest.fixture(scope="module")
 def survivor(tiny_ckpt_original):
     """A model loaded before any failure; it must be unaffected by all of them."""
-    return rel.load(tiny_ckpt_original)
+    return load(tiny_ckpt_original)
 
 
 # ---------------------------------------------------------------- recovery after failures
@@ -183,18 +188,18 @@ def _request_failures():
             elif kind == "too_wide":
                 Image.new("RGB", (4020, 20)).save(path)
             else:
-                rel.png_claiming(path, 20000, 20000)
-            rel.generate(loaded, rel.prompt_for(loaded, "Describe.", 1), [str(path)])
+                png_claiming(path, 20000, 20000)
+            generate(loaded, prompt_for(loaded, "Describe.", 1), [str(path)])
 
         return run
 
     def mismatch(loaded, tmp_path):
-        rel.generate(loaded, rel.prompt_for(loaded, "Describe.", 2), [IMAGE])
+        generate(loaded, prompt_for(loaded, "Describe.", 2), [IMAGE])
 
     def wrong_features(loaded, tmp_path):
         model, processor = loaded
-        a = processor(text=rel.prompt_for(loaded, "A", 1), images=[IMAGE], return_tensors="np")
-        b = processor(text=rel.prompt_for(loaded, "B", 1), images=[WIDE_IMAGE], return_tensors="np")
+        a = processor(text=prompt_for(loaded, "A", 1), images=[IMAGE], return_tensors="np")
+        b = processor(text=prompt_for(loaded, "B", 1), images=[WIDE_IMAGE], return_tensors="np")
         cached = model.encode_image(mx.array(a["pixel_values"]), a["image_grid_thw"])
         model.get_input_embeddings(
             mx.array(b["input_ids"]), cached_image_features=cached, image_grid_thw=b["image_grid_thw"]
@@ -209,20 +214,20 @@ def _request_failures():
 REQUEST_FAILURES = _request_failures()
 
 
-@pytest.mark.parametrize("case", rel.BROKEN, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", BROKEN, ids=lambda c: c.name)
 def test_process_recovers_after_a_broken_checkpoint(case, tiny_ckpt_original, quantized_ckpt, tmp_path, fresh):
-    folder = rel.make_broken(case, tiny_ckpt_original, quantized_ckpt, tmp_path)
+    folder = make_broken(case, tiny_ckpt_original, quantized_ckpt, tmp_path)
     with pytest.raises(case.load[0]):
-        rel.load(folder)
-    assert generate_all(rel.load(tiny_ckpt_original)) == fresh["default"]
+        load(folder)
+    assert generate_all(load(tiny_ckpt_original)) == fresh["default"]
 
 
 @pytest.mark.parametrize("name, fail", REQUEST_FAILURES, ids=[n for n, _ in REQUEST_FAILURES])
 def test_process_recovers_after_a_bad_request(name, fail, tiny_ckpt_original, tmp_path, fresh, survivor):
-    with pytest.raises((ValueError, OSError, Image.DecompressionBombError)):  # per case: test_reliability
+    with pytest.raises((ValueError, OSError, Image.DecompressionBombError)):  # per case: test_bad_requests
         fail(survivor, tmp_path)
     assert generate_all(survivor) == fresh["default"]  # the same model object keeps working
-    assert generate_all(rel.load(tiny_ckpt_original), TEXT_ONLY) == {"text": fresh["default"]["text"]}
+    assert generate_all(load(tiny_ckpt_original), TEXT_ONLY) == {"text": fresh["default"]["text"]}
 
 
 def test_a_model_loaded_before_all_those_failures_is_unaffected(survivor, fresh):
@@ -231,23 +236,23 @@ def test_a_model_loaded_before_all_those_failures_is_unaffected(survivor, fresh)
 
 @pytest.fixture(scope="module")
 def quantized_ckpt(tiny_ckpt_original, tmp_path_factory) -> Path:
-    return rel.quantize_checkpoint(tiny_ckpt_original, tmp_path_factory.mktemp("q4health") / "ckpt")
+    return quantize_checkpoint(tiny_ckpt_original, tmp_path_factory.mktemp("q4health") / "ckpt")
 
 
 # ---------------------------------------------------------------- two checkpoints
 
 
 def test_two_checkpoints_in_one_process_generate_independently(tiny_ckpt_original, alt_ckpt, fresh):
-    a = rel.load(tiny_ckpt_original)
+    a = load(tiny_ckpt_original)
     first_a = generate_all(a)
-    b = rel.load(alt_ckpt)
+    b = load(alt_ckpt)
     first_b = generate_all(b)
     assert first_a == fresh["default"] and first_b == fresh["alt"]
     assert first_a != first_b
     # Loading and running B changed nothing in A, and the other way round; interleaved.
     assert generate_all(a) == fresh["default"]
     assert generate_all(b) == fresh["alt"]
-    a_again = rel.load(tiny_ckpt_original)
+    a_again = load(tiny_ckpt_original)
     assert generate_all(b) == fresh["alt"] and generate_all(a_again) == fresh["default"]
 
     # Their configs and processors are their own (no shared patch or processor state).
@@ -258,9 +263,7 @@ def test_two_checkpoints_in_one_process_generate_independently(tiny_ckpt_origina
     assert (a[1].image_processor.max_pixels, b[1].image_processor.max_pixels) == (602112, 65536)
     counts = [
         int(
-            np.sum(
-                np.asarray(p(text=rel.prompt_for(loaded, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id
-            )
+            np.sum(np.asarray(p(text=prompt_for(loaded, "x", 1), images=[WIDE_IMAGE])["input_ids"]) == p.image_token_id)
         )
         for loaded, p in ((a, a[1]), (b, b[1]))
     ]

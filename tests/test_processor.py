@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _reference_probe import reference_problem
-from _tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from PIL import Image
-from vendored import VENDORED_DIR, by_path
 
 from compass_data import tiny
+from tests.lib.reference_probe import reference_problem
+from tests.lib.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from tests.lib.vendored import VENDORED_DIR, by_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def reference_module(name: str):
     # transformers ships cohere_compass before 5.21, but its image processor differs there
     # (measured with 5.17: LA/RGBA/palette/colour-key/1-channel images give other pixels, and
     # call-time min/max_pixels apply only as a pair); such a one is skipped like a missing one
-    # (tests/_reference_probe.py looks for the behaviour).
+    # (tests/lib/reference_probe.py looks for the behaviour).
     problem = reference_problem()
     if problem is not None:
         pytest.skip(f"{REFERENCE_REASON}: {problem}")

@@ -37,7 +37,8 @@ import mlx_vlm
 import numpy as np
 import pytest
 from packaging.version import Version
-from vendored import vendored
+
+from tests.lib.vendored import vendored
 
 vendored()  # our processor on every pin (0.7.10: the COMPASS_COMPAT_FORCE_VENDORED=1 pass)
 
@@ -367,7 +368,7 @@ def pin_family() -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_original, tmp_path_factory):
-    import test_server as ts
+    from tests.lib import server as ts
 
     pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi")
     spy = tmp_path_factory.mktemp("spy")
@@ -387,7 +388,7 @@ def server(tiny_ckpt_original, tmp_path_factory):
 
 def post(server, messages, max_tokens: int = 2):
     """(status, body text, what reached the template) of one request with these messages."""
-    import test_server as ts
+    from tests.lib import server as ts
 
     if ts.ROUTE.endswith("/responses"):
 
@@ -416,7 +417,7 @@ def post(server, messages, max_tokens: int = 2):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "video_part"])
 def test_server_prompt_is_the_reference(server, reference, image, case):
-    import test_server as ts
+    from tests.lib import server as ts
 
     messages = with_image(CASES[case], ts.data_uri(image.read_bytes()))
     if case == "unknown_role":  # OpenAI tool messages carry the call they answer
@@ -465,10 +466,9 @@ def test_server_video_part_is_never_rendered_silently(server, tmp_path, tiny_ckp
     """A video part: refused by the schema (0.3-0.6.3); with upstream's processor live (0.7
     plain) turned into frames sent as images by mlx-vlm itself; with ours (0.6.12, 0.7 forced)
     rendered as the template renders it and answered with the CLI's text for the same clip."""
-    import test_server as ts
-
     from compass_compat import cli
     from compass_compat._patch import implementation_info
+    from tests.lib import server as ts
 
     video = write_video(tmp_path / "clip.mp4")
     messages = [

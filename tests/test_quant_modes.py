@@ -29,12 +29,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from _mlx import answer_ids, chat_prompt, load
-from _quant import quantize_folder
-from vendored import vendored
 
 from compass_compat import probes
 from compass_compat.checkpoint_checks import CheckpointError, validate_checkpoint
+from scripts._lib.mlx_vlm_run import answer_ids, chat_prompt, load
+from scripts._lib.quantize import quantize_folder
+from tests.lib.vendored import vendored
 
 vendored()
 

@@ -22,8 +22,9 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity import prefill
-from vendored import vendored
+
+from scripts._lib.parity import prefill
+from tests.lib.vendored import vendored
 
 vendored()
 

@@ -7,18 +7,17 @@ other test here runs in every environment of the matrix.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import pathlib
 
 import numpy as np
 import pytest
-from _reference_probe import reference_problem
 from safetensors.numpy import load_file
 
 from compass_data import tiny
+from scripts._lib import model_outputs as recorder
+from tests.lib.reference_probe import reference_problem
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIVE_CASES = ["text_short", "img_448"]
 # transformers recomputed on another CPU than the recording one differs from the fixtures by up
 # to 3.1e-6 of an array's largest magnitude (logits: 3.1e-5 of 10.0; features: 2.9e-6 of 4.1),
@@ -26,15 +25,6 @@ LIVE_CASES = ["text_short", "img_448"]
 # (scripts/reference/cpu_spread.py; an AMD EPYC without AVX-512 gave 2.6e-5 on the logits).
 # Three times that: a stale fixture moves values by far more; greedy ids and integers stay exact.
 CROSS_CPU_SPREAD = 1e-5
-
-
-def _recorder():
-    spec = importlib.util.spec_from_file_location(
-        "record_reference", ROOT / "scripts" / "reference" / "model_outputs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _why_no_reference():
@@ -45,7 +35,7 @@ def _why_no_reference():
         return f"needs torch and transformers >= 5.21 (the mlxvlm-0.7.10 env): {e}"
     if not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         return f"transformers {transformers.__version__} has no CohereCompassForConditionalGeneration"
-    return reference_problem()  # tests/_reference_probe.py
+    return reference_problem()  # tests/lib/reference_probe.py
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -222,7 +212,6 @@ def test_chat_template_and_tokenizer_reproduce_reference_input_ids(reference, ti
 def test_fixture_images_are_the_generated_ones(reference, fixture_images):
     from PIL import Image
 
-    recorder = _recorder()
     assert set(fixture_images) == set(reference.index["images"]) == set(recorder.IMAGES)
     for name, path in fixture_images.items():
         pixels = np.asarray(Image.open(path).convert("RGB"))
@@ -234,7 +223,7 @@ def test_reference_cases_are_complete_and_not_degenerate(reference):
     index = reference.index
     vocab = tiny.PADDED_VOCAB_SIZE
     hidden = tiny.TEXT["hidden_size"]
-    assert set(reference.cases) == set(_recorder().CASES)
+    assert set(reference.cases) == set(recorder.CASES)
     for name in reference.cases:
         ref, meta = reference(name), reference(name)["meta"]
         length = ref["input_ids"].shape[1]
@@ -259,11 +248,10 @@ def test_reference_cases_are_complete_and_not_degenerate(reference):
 @pytest.mark.parametrize("case", LIVE_CASES)
 def test_recorded_fixtures_are_current(reference, case):
     """Re-run the reference in memory; a mismatch means the fixtures are stale: re-record them."""
-    recorder = _recorder()
     results, index = recorder.record([case])
     live, recorded = results[case], reference(case)
     if "pixel_values_codes" in live:
-        # The recorder checks that its packing is lossless; this checks conftest's unpacking.
+        # The recorder checks that its packing is lossless; this checks the fixture reader's unpacking.
         codes, levels = live.pop("pixel_values_codes"), live.pop("pixel_values_levels")
         live["pixel_values"] = recorder.unpack_pixel_values(codes, levels)
     assert live.keys() == recorded.keys() - {"meta"}

@@ -3,7 +3,8 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from vendored import vendored
+
+from tests.lib.vendored import vendored
 
 cfg = vendored("config")
 lang = vendored("language")

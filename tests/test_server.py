@@ -22,146 +22,22 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Dict, Optional
 
-import mlx_vlm
 import pytest
-from packaging.version import Version
 
 pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
-from _cli import greedy_cli_output  # noqa: E402
-
 from compass_compat import server_guard
+from tests.lib.cli_run import greedy_cli_output  # noqa: E402
+from tests.lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
 
-VERSION = Version(str(mlx_vlm.__version__))
-ROUTE = (
-    "/responses"
-    if VERSION < Version("0.4")
-    else "/v1/responses"
-    if VERSION < Version("0.5")
-    else "/v1/chat/completions"
-)
 # What each pin's own server answers for an image it cannot load (no guard).
 UNGUARDED_STATUS = {"0.3.9": 500, "0.4.4": 500, "0.6.12": 500, "0.7.10": 500}
 PROMPT = "Describe the image."
-MAX_TOKENS = 12
 MAX_IMAGES = 2
-START_TIMEOUT = 240  # seconds; mlx-vlm 0.7.10 + transformers 5 import slowly on a busy CPU
-REQUEST_TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: Path, log: Path, *extra: str, env: Optional[Dict[str, str]] = None):
-        self.model, self.log_path = str(model), log
-        self.port = free_port()
-        env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "compass_compat",
-                "server",
-                *extra,
-                "--model",
-                self.model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log.parent),
-        )
-
-    def wait_ready(self) -> "Server":
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                time.sleep(0.5)
-        pytest.fail(f"server not ready after {START_TIMEOUT}s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def request(self, body: dict, route: str = ROUTE) -> urllib.request.Request:
-        """A JSON POST of ``body`` to ``route`` on this server."""
-        return urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{route}",
-            data=json.dumps(body).encode("utf-8"),
-            headers={"Content-Type": "application/json"},
-        )
-
-    def post(self, content: list, max_tokens: int = MAX_TOKENS) -> tuple:
-        """(status, parsed JSON body) of one non-streaming request with these content parts."""
-        if ROUTE.endswith("/responses"):
-            parts = [
-                {"type": "input_image", "image_url": p["image_url"]["url"]}
-                if p["type"] == "image_url"
-                else {"type": "input_text", "text": p["text"]}
-                for p in content
-            ]
-            body = {"input": [{"role": "user", "content": parts}], "max_output_tokens": max_tokens}
-        else:
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
-        body.update(model=self.model, temperature=0.0, stream=False)
-        try:
-            with urllib.request.urlopen(self.request(body), timeout=REQUEST_TIMEOUT) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:
-                return err.code, {"raw": raw.decode("utf-8", "replace")}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
-        self.log.close()
-
-
-def reply_text(body: dict) -> str:
-    if "choices" in body:
-        return body["choices"][0]["message"]["content"]
-    if body.get("output_text"):
-        return body["output_text"]
-    return "".join(c.get("text", "") for item in body["output"] for c in item.get("content", []))
-
-
-def data_uri(raw: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64," + base64.b64encode(raw).decode("ascii")
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ import pytest
 from mlx_vlm import prompt_utils
 from mlx_vlm.utils import get_model_and_args
 from transformers import AutoProcessor
-from vendored import upstream_ships
 
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
+from tests.lib.vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"

@@ -2,8 +2,9 @@
 
 import mlx.core as mx
 import pytest
-from parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
-from vendored import vendored
+
+from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
+from tests.lib.vendored import vendored
 
 vendored()
 

@@ -22,8 +22,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_config import REFERENCE_HEAD
-from vendored import vendored
+
+from tests.lib.reference_head import REFERENCE_HEAD
+from tests.lib.vendored import vendored
 
 vendored()
 

@@ -19,15 +19,15 @@ import json
 import pathlib
 from typing import Dict, List, Tuple
 
-import _mlx
 import numpy as np
 import pytest
-from _mlx import load
-from _quant import quantize_folder
 from PIL import Image
-from vendored import vendored
 
 from compass_data import boxes, shapes, shapes_pil, toy
+from scripts._lib import mlx_vlm_run
+from scripts._lib.mlx_vlm_run import load
+from scripts._lib.quantize import quantize_folder
+from tests.lib.vendored import vendored
 
 vendored()
 
@@ -88,7 +88,7 @@ def toy_folders(tmp_path_factory) -> Dict[str, pathlib.Path]:
 
 def answer_ids(path: pathlib.Path, prompt: str, image) -> List[int]:
     """Greedy ids through mlx-vlm's chat template and ``stream_generate``, end of turn dropped."""
-    ids = _mlx.answer_ids(path, prompt, image, REFERENCE["max_new_tokens"])
+    ids = mlx_vlm_run.answer_ids(path, prompt, image, REFERENCE["max_new_tokens"])
     return strip_eos(ids, load(str(path))[0].config.eos_token_id)
 
 
@@ -239,8 +239,8 @@ def test_plain_generate_gives_the_same_answers(toy_folders, pictures):
 
 
 def test_server_gives_the_cli_answer(toy_folders, pictures, tmp_path):
-    from _cli import greedy_cli_output
-    from test_server import Server, data_uri, reply_text
+    from tests.lib.cli_run import greedy_cli_output
+    from tests.lib.server import Server, data_uri, reply_text
 
     entry = REFERENCE["pictures"][0]
     _, image = pictures[key_of(entry)]
@@ -271,18 +271,18 @@ def test_reference_file_is_what_transformers_answers_now(toy_folders, pictures):
         pytest.skip(f"transformers {transformers.__version__} has no cohere_compass")
     import torch
 
-    from scripts.toy import train as train_toy
+    from scripts._lib import toy_reference
 
     folder = toy_folders["float"]
     model = transformers.CohereCompassForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    ref = train_toy.Reference(folder)
+    ref = toy_reference.Reference(folder)
     with torch.no_grad():
         for entry in REFERENCE["pictures"][:: REFERENCE["test_pictures_per_bucket_and_renderer"]]:
             example, _ = pictures[key_of(entry)]
             for recorded in entry["answers"].values():
-                assert train_toy.greedy(model, ref, recorded["prompt"], example.pixels()) == recorded["ids"]
+                assert toy_reference.greedy(model, ref, recorded["prompt"], example.pixels()) == recorded["ids"]
 
 
 @pytest.mark.parametrize("kind", shapes.QUESTION_KINDS)

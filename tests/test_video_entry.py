@@ -17,11 +17,11 @@ import pathlib
 
 import numpy as np
 import pytest
-from vendored import vendored
 
 from compass_compat import cli
 from compass_compat.video_files import VideoDecoderMissingError, VideoFileError, probe, read_video
 from compass_data.clips import make_clip
+from tests.lib.vendored import vendored
 
 vendored()  # the toy's video answers are measured on our package; upstream 0.7.10 takes no video
 
@@ -72,7 +72,7 @@ def clip_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def video_processor(toy_ckpt):
-    from _mlx import load
+    from scripts._lib.mlx_vlm_run import load
 
     return load(str(toy_ckpt))[1].video_processor
 
@@ -136,10 +136,10 @@ def _stream_generate_takes_video() -> bool:
 def test_mlx_vlm_generate_with_video_reaches_the_native_path(toy_ckpt, clip_files, name):
     """mlx-vlm's own entry point: its chat formatting (video part), its file decoding, our
     processor natively (no frames fallback), the reference's prompt ids and greedy ids."""
-    from _mlx import load
     from mlx_vlm.prompt_utils import apply_chat_template
 
     from compass_compat.checklist.harness import stream_ids
+    from scripts._lib.mlx_vlm_run import load
 
     meta = FILE_CASES[name]
     path = str(clip_files[meta["videos"][0]["clip"]][0])

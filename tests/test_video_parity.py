@@ -4,37 +4,20 @@ the reference processor's own inputs; feature replay; chunked prefill; the count
 
 from __future__ import annotations
 
-import functools
-import json
-import pathlib
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
-from vendored import vendored
 
-from compass_compat.checklist.harness import case_inputs, read_video_case
+from compass_compat.checklist.harness import case_inputs
+from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
+from scripts._lib.recorded import VIDEO_INDEX, video_case
+from tests.lib.vendored import vendored
 
 language = vendored("language")
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "video_model"
-INDEX = json.loads((FIXTURES / "index.json").read_text(encoding="utf-8"))
-TINY_CASES = list(INDEX["checkpoints"]["tiny"])
-TOY_CASES = list(INDEX["checkpoints"]["toy"])
+TINY_CASES = list(VIDEO_INDEX["checkpoints"]["tiny"])
+TOY_CASES = list(VIDEO_INDEX["checkpoints"]["toy"])
 TOL = 1e-4
-
-
-@functools.lru_cache(maxsize=None)
-def _arrays(checkpoint: str, name: str) -> dict:
-    arrays = read_video_case(FIXTURES / checkpoint / INDEX["checkpoints"][checkpoint][name]["file"])
-    for value in arrays.values():
-        value.flags.writeable = False
-    return arrays
-
-
-def video_case(checkpoint: str, name: str) -> dict:
-    return {**_arrays(checkpoint, name), "meta": INDEX["checkpoints"][checkpoint][name]}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +38,10 @@ def toy_model(tmp_path_factory):
 
 def test_fixtures_cover_the_rules():
     """The cases hold what the issue names: an odd frame count, an image with a video, two videos."""
-    grids = {name: _arrays("tiny", name)["video_grid_thw"].tolist() for name in TINY_CASES}
+    grids = {name: video_case("tiny", name)["video_grid_thw"].tolist() for name in TINY_CASES}
     assert grids["video_5f_odd"][0][0] == 3  # 5 frames padded to 3 temporal patches
     assert len(grids["video_two"]) == 2
-    assert "pixel_values" in _arrays("tiny", "video_and_image")
+    assert "pixel_values" in video_case("tiny", "video_and_image")
 
 
 @pytest.mark.parametrize("name", TINY_CASES)

@@ -29,12 +29,12 @@ from typing import List, Optional
 import numpy as np
 import pytest
 from PIL import Image
-from vendored import by_path
 
-from scripts.reference import video_processor as recorder  # inputs of the cases, never expected values
+from compass_data.clips import make_clip
+from compass_data.tiny import build_tiny_checkpoint
+from scripts._lib import video_processor as recorder  # inputs of the cases, never expected values
+from tests.lib.vendored import by_path
 
-make_clip = recorder.clips.make_clip  # compass_data.clips, imported without the patch
-build_tiny_checkpoint = recorder.tiny.build_tiny_checkpoint
 pc = by_path("processing_cohere_compass", "compass_video_under_test")
 vpc = by_path("video_processing_cohere_compass", "compass_video_under_test")
 

@@ -6,7 +6,8 @@ running the reference.
 
 import numpy as np
 import pytest
-from vendored import by_path
+
+from tests.lib.vendored import by_path
 
 torch = pytest.importorskip("torch", reason="needs the torch reference (0.7.10 env)")
 modeling = pytest.importorskip(

@@ -23,12 +23,12 @@ import urllib.request
 import mlx_vlm
 import numpy as np
 import pytest
-from _cli import greedy_cli_output  # noqa: E402
 from packaging.version import Version
 from safetensors.numpy import load_file
-from vendored import vendored
 
 from compass_data.tiny import build_tiny_checkpoint, save_safetensors, tokenizer_vocab_size
+from tests.lib.cli_run import greedy_cli_output  # noqa: E402
+from tests.lib.vendored import vendored
 
 vendored()  # the guard is our processor's: skip (saying why) where upstream's package is live
 
@@ -167,7 +167,7 @@ def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_token
     "serve /responses; 0.4's chat completions fail on mlx-lm 0.32, see test_server.py)",
 )
 def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tokenizer, tmp_path):
-    import test_server as ts
+    from tests.lib import server as ts
 
     server = ts.Server(padded_ckpt, tmp_path / "server.log").wait_ready()
     try:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from vendored import upstream_ships
+
+from tests.lib.vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"

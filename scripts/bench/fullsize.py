@@ -20,7 +20,7 @@ weights + KV read per token / read bandwidth measured in the same run); vision-t
 two image sizes; time to first token for an image prompt, uncached and with the features
 replayed (ours: ``encode_image`` -> ``cached_image_features``; upstream: its own
 ``cached_image_features``, which drops deepstack; torch: ``mm_encoder_outputs``); host
-synchronisations inside one decode step (tests/test_no_host_sync.py's guard, counting);
+synchronisations inside one decode step (scripts/_lib/host_sync.py's guard, counting);
 peak resident memory and MLX peak memory of each worker.
 
 Writes benchmarks/results/<stamp>.json and .md and prints the markdown table.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import importlib.util
 import json
 import os
@@ -98,21 +97,6 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-@functools.lru_cache(maxsize=None)
-def _sync_guard():
-    """HostSyncGuard from tests/test_no_host_sync.py (the module skips itself when upstream is
-    live, after the guard is defined)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    spec = importlib.util.spec_from_file_location("_compass_no_host_sync", REPO / "tests" / "test_no_host_sync.py")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # pytest's Skipped derives from BaseException
-        if type(e).__name__ != "Skipped":
-            raise
-    return module.HostSyncGuard
-
-
 class MLXRunner:
     def __init__(self, impl: str, checkpoint: str, inputs: dict, vision_blocks: int):
         import mlx.core as mx
@@ -177,7 +161,9 @@ class MLXRunner:
         decode_s = time.perf_counter() - tic
         cpu = time.process_time() - cpu
         # One more step, built under the guard in counting mode (not timed).
-        with _sync_guard()("count") as guard:
+        from scripts._lib.host_sync import HostSyncGuard
+
+        with HostSyncGuard("count") as guard:
             logits = lm(y[:, None], cache=cache).logits
         mx.eval(logits)
         return dict(

@@ -14,19 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+import mlx_vlm
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-
-import mlx.core as mx  # noqa: E402
-import mlx_vlm  # noqa: E402
-from conftest import ReferenceFixtures  # noqa: E402
-from mlx_vlm.utils import load_model  # noqa: E402
-from parity import chunked_prefill, greedy, prefill, teacher_forced_decode  # noqa: E402
-
-import compass_compat  # noqa: E402
-from compass_data.tiny import build_tiny_checkpoint  # noqa: E402
+import compass_compat
+from compass_data.tiny import build_tiny_checkpoint
+from scripts._lib.parity import chunked_prefill, greedy, prefill, teacher_forced_decode
+from scripts._lib.recorded import ReferenceFixtures
 
 
 def measure(model, ref, name):
@@ -48,6 +43,8 @@ def patched(obj, name, value):
 
 
 def main() -> None:
+    from mlx_vlm.utils import load_model  # imported after the patch, which wraps it
+
     info = compass_compat.implementation_info()
     print(f"mlx-vlm {mlx_vlm.__version__}; live implementation: {info}")
     ref = ReferenceFixtures()

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 KINDS = ("describe", "count", "colour", "where")
 
@@ -29,11 +28,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="also write the table here")
     args = parser.parse_args(argv)
 
-    import _mlx
-    from _quant import quantize_folder
     from PIL import Image
 
     from compass_data import boxes, shapes, toy
+    from scripts._lib import mlx_vlm_run
+    from scripts._lib.quantize import quantize_folder
 
     reference = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
     count = reference["test_pictures_per_bucket_and_renderer"]
@@ -50,9 +49,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             path = tmp / f"{bucket}_{renderer}_{example.index}.png"
             Image.fromarray(example.pixels()).save(path)
             for precision, folder in folders.items():
-                _, processor = _mlx.load(str(folder))
+                _, processor = mlx_vlm_run.load(str(folder))
                 for kind, q in example.questions.items():
-                    ids = _mlx.answer_ids(folder, q.prompt, path, reference["max_new_tokens"])
+                    ids = mlx_vlm_run.answer_ids(folder, q.prompt, path, reference["max_new_tokens"])
                     text = processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
                     if kind == "where":
                         found = boxes.find_boxes(text)

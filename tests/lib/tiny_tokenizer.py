@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.package_data.tiny_tokenizer import TRAILING_SPECIALS
+from compass_data.tiny import special_token_ids
 
-# Cohere's turn and vision tokens, as in the committed tiny tokenizer; ids from 0 in this order.
-SPECIAL_TOKENS = ["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>", *TRAILING_SPECIALS]
+# Cohere's turn and vision tokens, in the committed tiny tokenizer's order; ids from 0 in this order.
+TURN_AND_VISION = [t for t, _ in sorted(special_token_ids().items(), key=lambda item: item[1]) if t.startswith("<|")]
+SPECIAL_TOKENS = ["<PAD>", "<UNK>", "<BOS_TOKEN>", "<EOS_TOKEN>", *TURN_AND_VISION]
 WORDS = "describe this image what is in the a cat dog and compare two images picture . ? , hello".split()
 
 # Shaped like the checkpoint's template: BOS, Cohere turns, one pad per image part.

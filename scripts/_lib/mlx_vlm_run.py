@@ -1,4 +1,4 @@
-"""mlx-vlm's own ``load`` and greedy ``stream_generate``, for tests that drive a folder as a host does."""
+"""mlx-vlm's own ``load`` and greedy ``stream_generate``, for tests and scripts that drive a folder as a host does."""
 
 from __future__ import annotations
 
