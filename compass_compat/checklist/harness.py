@@ -1,8 +1,8 @@
 """The reference fixtures, the tiny checkpoints, and driving a model the way mlx-vlm drives it.
 
-The tests use the same pieces: :func:`read_case_arrays` (the one reader of a case file,
-``tests/conftest.py``), :func:`case_inputs` (``tests/parity.py``) and :func:`stream_ids`
-(``tests/_mlx.py``).
+The tests use the same pieces, through scripts/_lib: :func:`read_case_arrays` (the one reader of
+a case file, ``recorded.py``), :func:`case_inputs` (``parity.py``) and :func:`stream_ids`
+(``mlx_vlm_run.py``).
 """
 
 from __future__ import annotations

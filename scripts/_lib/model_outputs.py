@@ -115,11 +115,11 @@ def require_reference() -> None:
         import torch  # noqa: F401
         import transformers
     except ImportError as e:
-        raise SystemExit(f"record_reference.py needs torch and transformers >= 5.21: {e}")
+        raise SystemExit(f"scripts/reference/model_outputs.py needs torch and transformers >= 5.21: {e}")
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
     if version < MIN_TRANSFORMERS or not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         raise SystemExit(
-            f"record_reference.py needs transformers >= 5.21 (interleaved MRoPE cohere_compass); "
+            f"scripts/reference/model_outputs.py needs transformers >= 5.21 (interleaved MRoPE cohere_compass); "
             f"this environment has {transformers.__version__}. Use .venvs/mlxvlm-0.7.10/bin/python."
         )
 
