@@ -22,18 +22,22 @@ subcommand touches mlx-vlm.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import inspect
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from compass_data.toy import (
+    HOME_ENV,
+    TOY_NOTE,
+    default_checkpoint_path,
+    default_checkpoint_problem,
+    ensure_default_checkpoint,
+)
 
 from . import __version__, implementation_info
 from .startup import ENV as AUTOPATCH_ENV
@@ -41,19 +45,9 @@ from .startup import PTH_NAME, installed_hooks
 
 PROG = "python -m compass_compat"
 DEMO_IMAGE = Path(__file__).resolve().parent / "assets" / "demo.png"
-HOME_ENV = "COMPASS_COMPAT_HOME"
-DEFAULT_CHECKPOINT = "toy-shapes-v3"  # bump the suffix when the builder's output changes
-MARKER = "compass-compat-default.json"
 DEFAULT_PROMPT = "Describe this picture."
 DEFAULT_VIDEO_PROMPT = "Describe this video."
 DEFAULT_MAX_TOKENS = 256
-TOY_NOTE = (
-    "compass-compat's default checkpoint: a TOY, the tiny cohere_compass trained on synthetic "
-    "pictures of shapes, not North-Micro-Vision. It answers 'Describe this picture.', 'How many "
-    "shapes are there?', 'What colour is the <shape>?' and 'Where is the <colour> <shape>?' "
-    "about pictures like the demo (its accuracy: README) and nothing else. Pass --model PATH "
-    "for a real checkpoint."
-)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -65,113 +59,13 @@ def log(message: str) -> None:
     print(f"[compass-compat] {message}", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------- default checkpoint
-
-
-def cache_dir() -> Path:
-    """``$COMPASS_COMPAT_HOME``, else ``$XDG_CACHE_HOME/compass-compat``, else ``~/.cache/compass-compat``."""
-    home = os.environ.get(HOME_ENV, "").strip()
-    if home:
-        return Path(home).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "compass-compat"
-
-
-def default_checkpoint_path() -> Path:
-    return cache_dir() / DEFAULT_CHECKPOINT
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def default_checkpoint_problem(path: Path) -> Optional[str]:
-    """None if ``path`` holds a complete default checkpoint, else what is wrong with it."""
-    marker = path / MARKER
-    if not marker.is_file():
-        return f"{MARKER} is missing" if path.exists() else "not built yet"
-    try:
-        meta = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        return f"{MARKER} is unreadable ({err})"
-    for name, digest in meta.get("sha256", {}).items():
-        if not (path / name).is_file():
-            return f"{name} is missing"
-        if _sha256(path / name) != digest:
-            return f"{name} changed since it was built"
-    if not meta.get("sha256"):
-        return f"{MARKER} lists no files"
-    # A package upgrade can ship retrained toy weights under the same folder name.
-    if meta.get("trained_weights_sha256") != _trained_weights_sha256():
-        return "built from other toy weights than this compass-compat ships"
-    return None
-
-
-def _trained_weights_sha256() -> str:
-    from compass_data.toy import WEIGHTS_FILE
-
-    return _sha256(WEIGHTS_FILE) if WEIGHTS_FILE.is_file() else "missing"
-
-
-def ensure_default_checkpoint() -> Path:
-    """Build the default checkpoint once (atomically; concurrent builders are safe)."""
-    target = default_checkpoint_path()
-    problem = default_checkpoint_problem(target)
-    if problem is None:
-        return target
-    from compass_data.toy import build_toy_checkpoint
-
-    log(f"building the default checkpoint in {target} ({problem})")
-    log("  the toy: tiny cohere_compass trained on synthetic shapes, original (CohereLabs) layout, float32")
-    start = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_CHECKPOINT}-", dir=target.parent))
-    try:
-        log("  [1/3] config.json, tokenizer, chat template, preprocessor config, weights")
-        build_toy_checkpoint(staging, layout="original", dtype="float32")
-        (staging / "README.md").write_text(
-            "# compass-compat default checkpoint\n\n" + TOY_NOTE + "\n\n"
-            f"Built by compass-compat {__version__} (`compass_data.toy.build_toy_checkpoint`); "
-            "how the weights were trained: compass_data/toy_shapes/provenance.json.\n",
-            encoding="utf-8",
-        )
-        log("  [2/3] fingerprinting the files")
-        files = sorted(p.name for p in staging.iterdir() if p.is_file())
-        meta = {
-            "built_by": f"compass-compat {__version__}",
-            "weights": "trained toy (compass_data/toy_shapes, scripts/toy/train.py)",
-            "sha256": {name: _sha256(staging / name) for name in files},
-            "trained_weights_sha256": _trained_weights_sha256(),
-        }
-        (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        log("  [3/3] moving it into place")
-        if target.exists() and default_checkpoint_problem(target) is not None:
-            shutil.rmtree(target)  # damaged: replaced below
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if default_checkpoint_problem(target) is not None:
-                raise
-            return target  # another process finished the same build first
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    size = sum(p.stat().st_size for p in target.iterdir()) / 1e6
-    log(f"  done: {size:.1f} MB in {time.perf_counter() - start:.2f} s")
-    return target
-
-
 # --------------------------------------------------------------------------- checks
 
 
 def resolve_model(model: Optional[str]) -> Tuple[str, bool]:
     """(path or repo id to load, whether it is the default checkpoint)."""
     if model is None:
-        return str(ensure_default_checkpoint()), True
+        return str(ensure_default_checkpoint(__version__)), True
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
