@@ -63,7 +63,7 @@ def test_the_clis_sampling_rule_is_the_pins(tmp_path):
     # Seeded alike: unset flags sample (ids differ from greedy) on 0.7.10 and decode greedily on
     # 0.6.12, measured, so a wrong rule fails on one of them.
     samples = mlx_vlm_run(path).ids != mlx_vlm_run(path, temperature=0.0).ids
-    assert cli.unset_sampling_follows_checkpoint() == samples
+    assert cli.sampling.unset_sampling_follows_checkpoint() == samples
 
 
 def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path, monkeypatch, capsys):
@@ -75,7 +75,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     assert "[1/3]" in first.stderr and "[3/3]" in first.stderr and "done:" in first.stderr
     # The output says the checkpoint is a toy and which picture was used.
     assert "a TOY" in first.stdout
-    assert str(cli.DEMO_IMAGE) in first.stdout
+    assert str(cli.generate.DEMO_IMAGE) in first.stdout
     assert re.search(r"Generation: \d+ tokens", first.stdout)
     assert "Sampling: " in first.stdout and " seed=0 " in first.stdout  # what the unset flags became
     text = first.stdout.split("=" * 10 + "\n")[2].rstrip("\n")
@@ -83,7 +83,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     # greedily by default (0.7.10 samples from generation_config.json; upstream's model differs).
     if (
         compass_compat.implementation_info().implementation == "vendored"
-        and not cli.unset_sampling_follows_checkpoint()
+        and not cli.sampling.unset_sampling_follows_checkpoint()
     ):
         assert text.strip() == shapes.demo_questions()["describe"].answer, first.stdout
     else:

@@ -115,7 +115,7 @@ class Result:
 
 
 def make_cases() -> List[Case]:
-    from compass_compat.cli import DEMO_IMAGE
+    from compass_compat.cli.generate import DEMO_IMAGE
 
     demo = str(DEMO_IMAGE)
     clip = str(Path(DEMO_IMAGE).with_name("demo_clip.avi"))
