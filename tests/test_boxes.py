@@ -292,7 +292,8 @@ def generated(monkeypatch, home):
     import mlx_vlm
 
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(home))
-    monkeypatch.setattr(cli, "DEMO_IMAGE", ROSE)  # a 320x240 default picture, so pixels differ from grid values
+    # A 320x240 default picture, so pixels differ from grid values.
+    monkeypatch.setattr(cli.generate, "DEMO_IMAGE", ROSE)
     state = SimpleNamespace(chunks=[], calls=[])
 
     def fake_stream_generate(model, processor, prompt, image=None, **kwargs):
@@ -320,16 +321,16 @@ def test_draw_boxes_end_to_end(generated, capsys, tmp_path):
     target = tmp_path / "boxes.png"
     code, out, err = run(capsys, "generate", "--prompt", "Where are the compass and the sun?", "--draw-boxes", target)
     assert code == 0, err
-    assert generated.calls[0]["image"] == [str(cli.DEMO_IMAGE)]
+    assert generated.calls[0]["image"] == [str(cli.generate.DEMO_IMAGE)]
     assert "".join(ANSWER) + "\n" in out
     report = out.split("=" * 10 + "\n")[-1].splitlines()
     assert report == [
-        f"Boxes: 2 found in the text (0-1000 grid) -> pixels of {cli.DEMO_IMAGE} (320x240):",
+        f"Boxes: 2 found in the text (0-1000 grid) -> pixels of {cli.generate.DEMO_IMAGE} (320x240):",
         "  1: [100, 200, 600, 900] -> (32, 48, 192, 216)",
         "  2: [700, 50, 950, 400] -> (224, 12, 304, 96)",
         f"Wrote {target}: a copy of the image with the 2 boxes, labelled as numbered above",
     ]
-    demo = Image.open(cli.DEMO_IMAGE).convert("RGB")
+    demo = Image.open(cli.generate.DEMO_IMAGE).convert("RGB")
     drawn = Image.open(target)
     assert drawn.size == (320, 240)
     assert drawn.getpixel((32, 120)) == PALETTE[0] and drawn.getpixel((224, 60)) == PALETTE[1]
@@ -360,9 +361,9 @@ def test_no_boxes_writes_an_unannotated_copy_and_says_so(generated, capsys, tmp_
         "Boxes: none found in the text (no [x1, y1, x2, y2] list on the 0-1000 grid)",
         "  ignored [1200, 0, 10, 10]: 1200 is outside 0..1000",
         "  ignored [30, 0, 20, 10]: x1 > x2 (30 > 20)",
-        f"Wrote {target}: an unannotated copy of {cli.DEMO_IMAGE} (320x240)",
+        f"Wrote {target}: an unannotated copy of {cli.generate.DEMO_IMAGE} (320x240)",
     ]
-    assert Image.open(target).tobytes() == Image.open(cli.DEMO_IMAGE).convert("RGB").tobytes()
+    assert Image.open(target).tobytes() == Image.open(cli.generate.DEMO_IMAGE).convert("RGB").tobytes()
 
 
 def test_several_images_draw_on_the_first_unless_told(generated, capsys, tmp_path, fixture_images):

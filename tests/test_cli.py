@@ -13,7 +13,7 @@ import pytest
 
 import compass_compat
 from compass_compat import cli
-from compass_data import shapes
+from compass_data import shapes, toy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,19 +62,19 @@ def test_the_clis_sampling_rule_is_the_pins(tmp_path):
     # Seeded alike: unset flags sample (ids differ from greedy) on 0.7.10 and decode greedily on
     # 0.6.12, measured, so a wrong rule fails on one of them.
     samples = mlx_vlm_run(path).ids != mlx_vlm_run(path, temperature=0.0).ids
-    assert cli.unset_sampling_follows_checkpoint() == samples
+    assert cli.sampling.unset_sampling_follows_checkpoint() == samples
 
 
 def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path, monkeypatch, capsys):
     # The README's command, in a fresh process: build the default checkpoint, generate from the demo picture.
     first = run_cli("generate", home=tmp_path)
-    ckpt = tmp_path / cli.DEFAULT_CHECKPOINT
+    ckpt = tmp_path / toy.DEFAULT_CHECKPOINT
     # Building shows progress, on stderr.
     assert f"building the default checkpoint in {ckpt}" in first.stderr
     assert "[1/3]" in first.stderr and "[3/3]" in first.stderr and "done:" in first.stderr
     # The output says the checkpoint is a toy and which picture was used.
     assert "a TOY" in first.stdout
-    assert str(cli.DEMO_IMAGE) in first.stdout
+    assert str(cli.generate.DEMO_IMAGE) in first.stdout
     assert re.search(r"Generation: \d+ tokens", first.stdout)
     assert "Sampling: " in first.stdout and " seed=0 " in first.stdout  # what the unset flags became
     text = first.stdout.split("=" * 10 + "\n")[2].rstrip("\n")
@@ -82,7 +82,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     # greedily by default (0.7.10 samples from generation_config.json; upstream's model differs).
     if (
         compass_compat.implementation_info().implementation == "vendored"
-        and not cli.unset_sampling_follows_checkpoint()
+        and not cli.sampling.unset_sampling_follows_checkpoint()
     ):
         assert text.strip() == shapes.demo_questions()["describe"].answer, first.stdout
     else:
@@ -91,7 +91,7 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model_type"] == "cohere_compass" and "a TOY" in (ckpt / "README.md").read_text()
     assert (ckpt / "chat_template.jinja").is_file() and (ckpt / "preprocessor_config.json").is_file()
-    assert cli.default_checkpoint_problem(ckpt) is None
+    assert toy.default_checkpoint_problem(ckpt) is None
 
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
     code, out, err = main_in_process(capsys, "generate", "--no-verbose")
@@ -102,28 +102,26 @@ def test_generate_with_no_arguments_builds_the_default_checkpoint_once(tmp_path,
 
 def test_a_damaged_default_checkpoint_is_rebuilt(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
-    ckpt = cli.ensure_default_checkpoint()
+    ckpt = toy.ensure_default_checkpoint()
     (ckpt / "config.json").write_text("{}")
-    assert cli.default_checkpoint_problem(ckpt) == "config.json changed since it was built"
-    assert cli.ensure_default_checkpoint() == ckpt
+    assert toy.default_checkpoint_problem(ckpt) == "config.json changed since it was built"
+    assert toy.ensure_default_checkpoint() == ckpt
     assert "config.json changed since it was built" in capsys.readouterr().err
-    assert cli.default_checkpoint_problem(ckpt) is None
+    assert toy.default_checkpoint_problem(ckpt) is None
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folders left behind"
 
 
 def test_a_default_checkpoint_built_from_older_toy_weights_is_rebuilt(tmp_path, monkeypatch, capsys):
     """An upgrade that ships retrained weights must not keep answering with the cached old ones."""
-    from compass_data import toy
-
     monkeypatch.setenv("COMPASS_COMPAT_HOME", str(tmp_path))
-    ckpt = cli.ensure_default_checkpoint()
+    ckpt = toy.ensure_default_checkpoint()
     original = toy.WEIGHTS_FILE
     shipped = tmp_path / "retrained.safetensors"
     shipped.write_bytes(toy.WEIGHTS_FILE.read_bytes() + b" ")  # any other bytes
     monkeypatch.setattr(toy, "WEIGHTS_FILE", shipped)
-    assert cli.default_checkpoint_problem(ckpt) == "built from other toy weights than this compass-compat ships"
+    assert toy.default_checkpoint_problem(ckpt) == "built from other toy weights than this compass-compat ships"
     monkeypatch.setattr(toy, "WEIGHTS_FILE", original)
-    assert cli.default_checkpoint_problem(ckpt) is None
+    assert toy.default_checkpoint_problem(ckpt) is None
 
 
 def _reference_text(case, tokenizer_dir: Path) -> str:
@@ -207,7 +205,7 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
     here = compass_compat.implementation_info()
     assert data["implementation"] == here.implementation and data["forced"] == here.forced
     assert data["mlx_vlm_version"] == here.mlx_vlm_version
-    assert data["default_checkpoint"] == str(tmp_path / cli.DEFAULT_CHECKPOINT)
+    assert data["default_checkpoint"] == str(tmp_path / toy.DEFAULT_CHECKPOINT)
     assert data["default_checkpoint_state"] == "not built yet"
     assert [Path(p).name for p in data["startup_hook"]] == ["compass_compat_autopatch.pth"]
 

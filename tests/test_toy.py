@@ -291,7 +291,7 @@ def test_demo_picture_is_answered_as_transformers_does(toy_folders, kind):
     correctly: the exact answers exactly, the box with IoU >= 0.5 on the drawn shape."""
     from compass_compat import cli
 
-    demo = np.asarray(Image.open(cli.DEMO_IMAGE).convert("RGB"))
+    demo = np.asarray(Image.open(cli.generate.DEMO_IMAGE).convert("RGB"))
     assert np.array_equal(demo, shapes.render(shapes.DEMO_SCENE))
     recorded = REFERENCE["demo"][kind]
     assert recorded["expected"] == shapes.demo_questions()[kind].answer
@@ -300,7 +300,7 @@ def test_demo_picture_is_answered_as_transformers_does(toy_folders, kind):
     else:
         assert len(boxes.find_boxes(recorded["text"])) == 1
         assert box_hit(recorded["text"], shapes.demo_questions()[kind].subject, shapes.DEMO_SCENE.size)
-    got = answer_ids(toy_folders["float"], recorded["prompt"], cli.DEMO_IMAGE)
+    got = answer_ids(toy_folders["float"], recorded["prompt"], cli.generate.DEMO_IMAGE)
     assert got == strip_eos(recorded["ids"], EOS)
 
 
@@ -316,7 +316,7 @@ def test_main_job_draws_the_box_it_answers(toy_folders, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert recorded["text"] in out and "Wrote " + str(target) in out
-    plain = Image.open(cli.DEMO_IMAGE).convert("RGB")
+    plain = Image.open(cli.generate.DEMO_IMAGE).convert("RGB")
     found = boxes.find_boxes(recorded["text"])
     expected = boxes.draw_boxes(plain, found, [str(i) for i in range(1, len(found) + 1)])
     assert Image.open(target).tobytes() == expected.tobytes()
@@ -357,6 +357,6 @@ def test_readme_python_snippet_runs(toy_folders, capsys):
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = re.search(r"## In Python\n\n```python\n(.*?)```", readme, re.S).group(1)
     code = code.replace("path/to/North-Micro-Vision-Instruct", str(toy_folders["float"]))
-    code = code.replace('"photo.jpg"', repr(str(cli.DEMO_IMAGE)))
+    code = code.replace('"photo.jpg"', repr(str(cli.generate.DEMO_IMAGE)))
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == shapes.demo_questions()["describe"].answer

@@ -497,4 +497,4 @@ def test_video_token_through_the_tokenizer_alone_is_refused(processors):
     for call in (lambda: tokenizer("<BOS_TOKEN>" + VIDEO_PART), lambda: tokenizer.encode(VIDEO_PART)):
         with pytest.raises(pc.VideoCountMismatchError, match="no video was passed"):
             call()
-    assert pc.VideoNotSupportedError  # still importable (compass_compat/cli.py looks it up)
+    assert pc.VideoNotSupportedError  # still importable (compass_compat/cli/video.py looks it up)

@@ -9,7 +9,7 @@ Run it with the omlx environment's interpreter (scripts/hosts/omlx/env.sh builds
 What it does, in order:
 
 1. locates (or builds once) the default checkpoint exactly as `python -m compass_compat generate`
-   does (compass_compat.cli.ensure_default_checkpoint, $COMPASS_COMPAT_HOME honoured) and copies it
+   does (compass_data.toy.ensure_default_checkpoint, $COMPASS_COMPAT_HOME honoured) and copies it
    to OUT/models/toy-shapes-v3: `omlx serve --model-dir` serves every subfolder, and the
    folder name is the model id that requests name;
 2. expected answers: one `python -m compass_compat generate --model OUT/models/toy-shapes-v3
@@ -75,7 +75,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
-MODEL_ID = "toy-shapes-v3"  # the default checkpoint it serves (compass_compat.cli.DEFAULT_CHECKPOINT)
+MODEL_ID = "toy-shapes-v3"  # the default checkpoint it serves (compass_data.toy.DEFAULT_CHECKPOINT)
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 REEXEC = "OMLX_E2E_SOURCE"  # set when re-run on an exported --git-rev tree
 
@@ -115,7 +115,7 @@ class Result:
 
 
 def make_cases() -> List[Case]:
-    from compass_compat.cli import DEMO_IMAGE
+    from compass_compat.cli.generate import DEMO_IMAGE
 
     demo = str(DEMO_IMAGE)
     clip = str(Path(DEMO_IMAGE).with_name("demo_clip.avi"))
@@ -285,7 +285,7 @@ def source_info() -> Dict[str, Any]:
 
 # --------------------------------------------------------------------------- checkpoint
 def prepare_model_dir(out: Path) -> Path:
-    from compass_compat.cli import ensure_default_checkpoint
+    from compass_data.toy import ensure_default_checkpoint
 
     src = ensure_default_checkpoint()
     if src.name != MODEL_ID:

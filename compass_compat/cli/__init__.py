@@ -1,0 +1,52 @@
+"""``python -m compass_compat``: mlx-vlm's generate, server and convert with the patch applied.
+
+One module per subcommand, each with ``add_parser`` and ``main``: :mod:`.generate` (the toy
+default checkpoint and the demo picture when ``--model`` / ``--image`` are left out),
+:mod:`.server`, :mod:`.convert`, :mod:`.run` (any command with the startup hook on) and
+:mod:`.info`. Importing this package imports ``compass_compat``, so the patch is in effect
+before any subcommand touches mlx-vlm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .. import __version__
+from . import convert, generate, info, run, server
+from .common import PROG, CliError
+
+COMMANDS = {"generate": generate, "server": server, "convert": convert, "run": run, "info": info}
+# Their flags go to mlx-vlm untouched: they parse the rest of the command line themselves.
+PASSTHROUGH = ("server", "convert")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; each subcommand module adds its own sub-parser."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="cohere_compass (North-Micro-Vision) on the installed mlx-vlm, with the compass-compat patch applied.",
+    )
+    parser.add_argument("--version", action="version", version=f"compass-compat {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one subcommand; its exit code (2 with ``<prog> <command>: error: ...`` on bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        if argv and argv[0] in PASSTHROUGH:
+            command = argv[0]
+            return COMMANDS[command].main(argv[1:])
+        args = parser.parse_args(argv)
+        command = args.command
+        return COMMANDS[command].main(args)
+    except CliError as err:
+        print(f"{PROG} {command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,179 @@
+"""``generate``: mlx-vlm's load + stream_generate with the patch applied.
+
+Without ``--model`` it builds (once) and uses the toy default checkpoint
+(:func:`compass_data.toy.ensure_default_checkpoint`), without ``--image`` the bundled demo
+picture (shapes the toy answers correctly).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from compass_data.toy import HOME_ENV, TOY_NOTE
+
+from .. import implementation_info
+from . import boxes, sampling, video
+from .common import CliError, log
+from .inputs import check_images, resolve_model
+
+DEMO_IMAGE = Path(__file__).resolve().parents[1] / "assets" / "demo.png"
+DEFAULT_PROMPT = "Describe this picture."
+DEFAULT_VIDEO_PROMPT = "Describe this video."
+DEFAULT_MAX_TOKENS = 256
+RULE = "=" * 10  # frames the verbose output's sections
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The ``generate`` sub-parser: mlx-vlm's generate flags, --video and --draw-boxes."""
+    gen = subparsers.add_parser(
+        "generate",
+        help="generate text from images and a prompt (mlx-vlm's generate flags)",
+        description=(
+            "Generate text with mlx-vlm's load + stream_generate, the prompt formatted by "
+            "mlx_vlm.prompt_utils.apply_chat_template as mlx-vlm's own CLI does. Without --model "
+            "the toy default checkpoint (a tiny model trained on synthetic shapes) is built once under "
+            f"${HOME_ENV} (default ~/.cache/compass-compat); without --image the bundled demo "
+            "picture is used."
+        ),
+    )
+    gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the toy checkpoint")
+    gen.add_argument(
+        "--image",
+        nargs="+",
+        action="extend",
+        metavar="IMAGE",
+        help="image file(s) or URL(s); repeatable; default: the bundled demo picture",
+    )
+    gen.add_argument("--no-image", action="store_true", help="text-only prompt")
+    video.add_arguments(gen)
+    gen.add_argument("--prompt", nargs="+", help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--system", help="system message")
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default: %(default)s")
+    sampling.add_arguments(gen)
+    boxes.add_arguments(gen)
+    gen.add_argument(
+        "--verbose",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="print model, images, prompt and speed around the text (default); --no-verbose prints the text only",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Check every flag and file, load the model, stream the text to stdout; 0 on success."""
+    model_ref, is_default = resolve_model(args.model)
+    if args.no_image and args.image:
+        raise CliError("--no-image and --image exclude each other")
+    videos = video.checked_videos(args)
+    default_images = [] if videos else [str(DEMO_IMAGE)]
+    images = [] if args.no_image else check_images(args.image or default_images)
+    box_output = boxes.check_box_flags(args, images)
+    given = sampling.given_sampling(args)
+
+    import mlx.core as mx
+    from mlx_vlm import stream_generate
+
+    model, processor = _load(model_ref)
+    prompt = " ".join(args.prompt) if args.prompt else (DEFAULT_VIDEO_PROMPT if videos else DEFAULT_PROMPT)
+    refused = video.processor_errors(processor)
+    formatted, inputs, times = _prompt_inputs(args, model, processor, prompt, images, videos, refused)
+
+    if args.verbose:
+        _print_header(model_ref, is_default, images, videos, times, prompt, model.config, given, args.seed)
+    elif is_default:
+        log("note: " + TOY_NOTE)
+
+    last = None
+    pieces = []
+    # Seeded here, not before load: building the model draws from the PRNG (weight init).
+    mx.random.seed(args.seed)
+    # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
+    try:
+        for result in stream_generate(model, processor, formatted, max_tokens=args.max_tokens, **inputs, **given):
+            print(result.text, end="", flush=True)
+            pieces.append(result.text)
+            last = result
+    except refused as err:
+        raise CliError(str(err)) from err
+    print(flush=True)
+    if args.verbose and last is not None:
+        print(RULE)
+        print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec")
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    if box_output is not None:
+        lines = boxes.draw_answer_boxes("".join(pieces), images, args.box_image_index, box_output)
+        if args.verbose:
+            print(RULE)
+            print("\n".join(lines), flush=True)
+        else:  # --no-verbose keeps stdout to the text alone
+            for line in lines:
+                log(line)
+    return 0
+
+
+def _load(model_ref: str):
+    """mlx-vlm's (model, processor) for ``model_ref``; a failure becomes a one-line CliError."""
+    from mlx_vlm import load
+
+    try:
+        return load(model_ref)
+    except Exception as err:  # re-raised as a one-line CliError; the cause stays chained
+        where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
+        raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
+
+
+def _prompt_inputs(
+    args: argparse.Namespace,
+    model,
+    processor,
+    prompt: str,
+    images: Sequence[str],
+    videos: Sequence[str],
+    refused: Tuple[type, ...],
+) -> Tuple[object, Dict[str, object], List[List[float]]]:
+    """(prompt for stream_generate, its input keywords, per-video frame times): formatted by
+    mlx-vlm's apply_chat_template as its CLI does, or made here for a video prompt."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from ..video_files import VideoDecoderMissingError, VideoFileError
+
+    messages = (
+        [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
+    )
+    try:
+        if videos:
+            return video.video_inputs(args, processor, prompt, images, videos)
+        formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+    except (VideoFileError, VideoDecoderMissingError) + refused as err:
+        raise CliError(str(err)) from err
+    return formatted, {"image": images or None}, []
+
+
+def _print_header(
+    model_ref: str,
+    is_default: bool,
+    images: Sequence[str],
+    videos: Sequence[str],
+    times: Sequence[Sequence[float]],
+    prompt: str,
+    config,
+    given: Dict[str, float],
+    seed: int,
+) -> None:
+    """The verbose lines before the text: model, live implementation, inputs, prompt, sampling."""
+    info = implementation_info()
+    print(RULE)
+    print(f"Model: {model_ref}")
+    if is_default:
+        print(f"       {TOY_NOTE}")
+    print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")
+    print(f"Images: {images}")
+    for path, at in zip(videos, times):
+        shown = ", ".join(f"{t:.2f}" for t in at)
+        print(f"Video: {path}: {len(at)} frames at [{shown}] s")
+    print(f"Prompt: {prompt}")
+    print(f"Sampling: {sampling.describe_sampling(sampling.sampling_settings(config, given), seed)}")
+    print(RULE, flush=True)

@@ -1,0 +1,115 @@
+"""``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
+inputs answered by a 400 (:mod:`compass_compat.server_guard`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+from types import ModuleType
+from typing import List
+
+from .. import implementation_info
+from ..startup import ENV as AUTOPATCH_ENV
+from .common import PROG, CliError, flag_value
+from .inputs import resolve_model
+
+
+def parser() -> argparse.ArgumentParser:
+    """Our own server flags; every other flag is mlx-vlm's and passes through unparsed."""
+    own = argparse.ArgumentParser(
+        prog=f"{PROG} server",
+        add_help=False,
+        description=(
+            "Start the installed mlx-vlm's own server with the patch applied. Options not listed "
+            "here (--model, --host, --port, ...) are mlx-vlm's; they differ between releases. "
+            "Malformed image inputs (bad base64, unreadable image, missing file, too many images) "
+            "get HTTP 400 instead of mlx-vlm's 500."
+        ),
+    )
+    own.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
+    own.add_argument(
+        "--max-images",
+        type=int,
+        default=None,
+        help="most images per request before a 400 (default: mlx-vlm's MAX_IMAGES, 10)",
+    )
+    own.add_argument("--no-guard", action="store_true", help="pass every request to mlx-vlm unchecked")
+    return own
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """The ``server`` entry of the top-level help (``main`` parses the flags itself)."""
+    subparsers.add_parser(
+        "server",
+        add_help=False,
+        parents=[parser()],
+        help="start mlx-vlm's server, patched (mlx-vlm's server flags)",
+    )
+
+
+def main(argv: List[str]) -> int:
+    """Run mlx-vlm's server in this process with the flags after ``server``."""
+    args, rest = parser().parse_known_args(argv)
+    model = flag_value(rest, "--model")
+    if model is not None and not args.help:
+        resolve_model(model)  # a bad path fails here, with a message, not inside the server
+    module = _server_module()
+    if args.help:
+        parser().print_help()
+        print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)
+        rest = ["--help"]
+    else:
+        # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
+        os.environ[AUTOPATCH_ENV] = "1"
+        if not args.no_guard:
+            from .. import server_guard
+
+            # mlx-vlm declares MAX_IMAGES = 10 per request (every pin to 0.7.10) but never enforces it.
+            limit = args.max_images if args.max_images is not None else int(getattr(module, "MAX_IMAGES", 10))
+            server_guard.install(module.app, limit)
+    if _main_forces_reload(module):
+        return _legacy_server(module, rest)
+    sys.argv = ["mlx_vlm.server", *rest]
+    module.main()
+    return 0
+
+
+def _main_forces_reload(module: ModuleType) -> bool:
+    """Whether this mlx-vlm's server ``main()`` always runs uvicorn with ``reload=True`` (0.3.x's
+    does): the hook looked for is ``reload=True`` in the source of ``mlx_vlm.server.main``."""
+    try:
+        return "reload=True" in inspect.getsource(module.main)
+    except (OSError, TypeError):  # no source to read: run main() as it is
+        return False
+
+
+def _server_module() -> ModuleType:
+    try:
+        return importlib.import_module("mlx_vlm.server")
+    except ModuleNotFoundError as err:
+        info = implementation_info()
+        raise CliError(
+            f"mlx-vlm {info.mlx_vlm_version} has no usable server (import mlx_vlm.server failed: {err}); "
+            "mlx-vlm's server needs fastapi and uvicorn"
+        ) from err
+
+
+def _legacy_server(module: ModuleType, rest: List[str]) -> int:
+    # mlx-vlm 0.3.x: main() always runs uvicorn with reload=True, which re-imports the app in
+    # a child process (losing the guard) and watches the working directory; serve the app
+    # object in this process instead. Its flags are --host and --port; --model preloads.
+    legacy = argparse.ArgumentParser(prog=f"{PROG} server", description="mlx-vlm 0.3.x server, patched.")
+    legacy.add_argument("--host", default="0.0.0.0", help="Host for the HTTP server (default: %(default)s)")
+    legacy.add_argument("--port", type=int, default=8080, help="Port for the HTTP server (default: %(default)s)")
+    legacy.add_argument("--model", help="Load this model now; requests must name it in their 'model' field.")
+    args = legacy.parse_args(rest)
+    if args.model:
+        model_ref, _ = resolve_model(args.model)
+        module.get_cached_model(model_ref)
+    import uvicorn
+
+    uvicorn.run(module.app, host=args.host, port=args.port, workers=1)
+    return 0
