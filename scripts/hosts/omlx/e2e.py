@@ -45,10 +45,11 @@ oMLX's non-streaming reply is `clean_special_tokens(text)`, which strips surroun
 Only loopback traffic; every wait is bounded (per request --request-timeout, whole run --deadline).
 
 Which compass-compat: by default the checkout the environment's editable install points at,
-uncommitted edits included (the run records `git status` of compass_compat/ and vendor/).
-`--git-rev REV` tests a commit instead: `git archive REV compass_compat vendor` goes to
-OUT/src-<sha> and the script re-runs itself with that tree first on PYTHONPATH, so this process,
-the generate processes and the server all import that compass_compat and its vendored model.
+uncommitted edits included (the run records `git status` of the package folders: SOURCES).
+`--git-rev REV` tests a commit instead: `git archive` of those folders at REV (the ones it has)
+goes to OUT/src-<sha> and the script re-runs itself with that tree first on PYTHONPATH, so this
+process, the generate processes and the server all import that compass_compat, compass_data and
+vendored model.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "images"
 MODEL_ID = "toy-shapes-v3"  # the default checkpoint it serves (compass_data.toy.DEFAULT_CHECKPOINT)
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 REEXEC = "OMLX_E2E_SOURCE"  # set when re-run on an exported --git-rev tree
+SOURCES = ("compass_compat", "compass_data", "vendor")  # what the package is made of
 
 
 # --------------------------------------------------------------------------- cases
@@ -249,15 +251,16 @@ def git(*args: str) -> str:
 
 
 def export_rev(rev: str, out: Path) -> Path:
-    """`git archive` of compass_compat/ and vendor/ at rev into out/src-<sha> (reads objects only)."""
+    """`git archive` of the SOURCES folders rev has into out/src-<sha> (reads objects only)."""
     sha = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
     dest = out / f"src-{sha[:12]}"
     if not (dest / "compass_compat" / "__init__.py").is_file():
         tmp = out / f".src-{sha[:12]}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        present = [p for p in git("ls-tree", "--name-only", sha).split() if p in SOURCES]
         archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", "--format=tar", sha, "compass_compat", "vendor"],
+            ["git", "-C", str(ROOT), "archive", "--format=tar", sha, *present],
             check=True,
             capture_output=True,
             timeout=60,
@@ -278,7 +281,7 @@ def source_info() -> Dict[str, Any]:
     with contextlib.suppress(Exception):
         info["head"] = git("log", "-1", "--format=%h %ci %s").strip()
         if not info["exported"]:
-            dirty = git("status", "--porcelain", "--", "compass_compat", "vendor").splitlines()
+            dirty = git("status", "--porcelain", "--", *SOURCES).splitlines()
             info["uncommitted"] = [ln.strip() for ln in dirty]
     return info
 
