@@ -351,10 +351,11 @@ def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
             mlx_vlm_version=_mlx_vlm_version(),
         )
     # The folder is checked before the processor reads any file of it (the vendored
-    # package itself never imports this package).
-    from .checkpoint_checks import validate_checkpoint
+    # package itself never imports this package); inside mlx_vlm.load, by taking the
+    # loader guard's verdict when the folder is unchanged since.
+    from .checkpoint_checks import validate_load_step
 
-    validate_checkpoint(path, require_weights=False)
+    validate_load_step(path, require_weights=False)
     return processor_cls.from_pretrained(path, *args, **kwargs)
 
 
@@ -406,13 +407,14 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
 
     mlx-vlm's loader reads files a checkpoint names before any model code runs: index
     shards joined to the folder as given (0.6.12 on) and, from 0.7, config.json's
-    ``model_file``, which it imports. ``validate_checkpoint`` refuses those first.
+    ``model_file``, which it imports. ``validate_checkpoint`` refuses those first; its
+    verdict serves the processor hook of the same load (``validate_load_start``).
     """
     utils = importlib.import_module("mlx_vlm.utils")
     original = vars(utils).get("load_model", _MISSING)
     if original is _MISSING or not callable(original) or getattr(original, TAG, False):
         return
-    from .checkpoint_checks import validate_checkpoint
+    from .checkpoint_checks import validate_load_start
 
     @functools.wraps(original)
     def load_model(model_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -420,7 +422,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
         # (a ValueError, as json's own) names the file and what to do.
         config = _local_config(model_path)
         if config is _UNREADABLE or _says_compass(config):
-            validate_checkpoint(model_path)
+            validate_load_start(model_path)
         return original(model_path, *args, **kwargs)
 
     setattr(load_model, TAG, True)
