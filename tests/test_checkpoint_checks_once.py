@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import pytest
-from vendored import vendored
 
 from compass_compat.checkpoint_checks import SETTLED_NS, CheckpointError, validate_checkpoint
 from compass_data.tiny import build_tiny_checkpoint
+from tests.lib.vendored import vendored
 
 vendored()  # skips the module where upstream's cohere_compass is live (the hooks are not installed)
 
