@@ -5,14 +5,14 @@
 #                                                an ENV is an mlx-vlm version, e.g. 0.6.12, or a
 #                                                version with a tag, e.g. 0.4.4-tf5.17)
 #
-# - First builds or updates every .venvs/mlxvlm-<env> (scripts/env/build.sh, idempotent), a few
-#   at a time (MATRIX_ENV_JOBS, default 3: mostly downloads), with the exact versions recorded in
-#   scripts/env/constraints/mlxvlm-<env>.txt; MAKE_ENVS_REFRESH=1 resolves afresh and rewrites
-#   those records.
-# - Then runs `python -m pytest tests -q` in each env from the repo root, MATRIX_JOBS runs at a
-#   time (default: the number of cores, at most 2; the suites are single-threaded Python
-#   mostly), newest pin first. junit XML and the full log of each run go to
-#   build/matrix/<run>.{xml,log}; each run's own time is in the table.
+# - Builds or updates every .venvs/mlxvlm-<env> (scripts/env/build.sh, idempotent) in the
+#   background, a few at a time (MATRIX_ENV_JOBS, default 3: mostly downloads), with the exact
+#   versions recorded in scripts/env/constraints/mlxvlm-<env>.txt; MAKE_ENVS_REFRESH=1 resolves
+#   afresh and rewrites those records.
+# - Runs `python -m pytest tests -q` in each env from the repo root as soon as it is ready,
+#   MATRIX_JOBS runs at a time (default: the number of cores, at most 2; the suites are
+#   single-threaded Python mostly), newest pin first. junit XML and the full log of each run go
+#   to build/matrix/<run>.{xml,log}; each run's own time is in the table.
 # - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
 #   twice: "<env>" as users get it (upstream wins) and "<env>+forced" with
 #   COMPASS_COMPAT_FORCE_VENDORED=1, where the vendored model is the live one.
@@ -34,42 +34,41 @@ cores=$(nproc 2>/dev/null || echo 1)
 jobs="${MATRIX_JOBS:-$(( cores < 2 ? cores : 2 ))}"
 env_jobs="${MATRIX_ENV_JOBS:-3}"
 
-# Runs at most $1 background jobs at a time: call before starting one.
-throttle() { while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do wait -n 2>/dev/null || true; done; }
+# Newest pin first: newer pins skip fewer tests and the reference environment runs the
+# live-reference tests, so the longest runs start first and the short ones fill the end.
+order=()
+for (( i = ${#pins[@]} - 1; i >= 0; i-- )); do order+=("${pins[i]}"); done
+rm -f "$out"/env-*.rc
 
-# ---- environments
+# ---- environments, in the background, $env_jobs at a time; each leaves env-<pin>.rc when done
 env_start=$(date +%s)
-for pin in "${pins[@]}"; do
-  throttle "$env_jobs"
-  ( bash "$root/scripts/env/build.sh" "$pin" >"$out/env-$pin.log" 2>&1; echo $? >"$out/env-$pin.rc" ) &
-done
-wait
-ready=()
-for pin in "${pins[@]}"; do
-  if [ "$(cat "$out/env-$pin.rc")" = 0 ]; then
-    grep '^\[envs\]' "$out/env-$pin.log" | tail -n 1
-    ready+=("$pin")
-  else
-    echo "[matrix] $pin: environment could not be built; last lines of $out/env-$pin.log:"
-    tail -n 20 "$out/env-$pin.log" | sed 's/^/    /'
-    echo "$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED" >"$out/$pin.row"
-  fi
-done
-env_seconds=$(( $(date +%s) - env_start ))
-echo "[matrix] environments: ${env_seconds}s"
+(
+  for pin in "${order[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$env_jobs" ]; do wait -n 2>/dev/null || true; done
+    (
+      bash "$root/scripts/env/build.sh" "$pin" >"$out/env-$pin.log" 2>&1
+      rc=$?
+      echo "$(( $(date +%s) - env_start ))" >"$out/env-$pin.seconds"
+      echo $rc >"$out/env-$pin.rc"
+    ) &
+  done
+  wait
+) &
+envs_pid=$!
 
-# ---- runs: "<label>|<env>|<force>", newest pin first: newer pins skip fewer tests and the
-# reference environment runs the live-reference tests, so the longest runs start first and the
-# short ones fill the end.
-runs=()
-for (( i = ${#ready[@]} - 1; i >= 0; i-- )); do
-  pin="${ready[i]}"
-  env="$(env_dir "$pin")"
-  if compgen -G "$env/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
-    runs+=("$pin+forced|$pin|1")
+# Waits for pin's environment; 0 when it was built, else records the failure.
+env_ready() {
+  local pin="$1"
+  while [ ! -f "$out/env-$pin.rc" ]; do sleep 1; done
+  if [ "$(cat "$out/env-$pin.rc")" = 0 ]; then
+    echo "$(grep '^\[envs\]' "$out/env-$pin.log" | tail -n 1) (ready after $(cat "$out/env-$pin.seconds")s)"
+    return 0
   fi
-  runs+=("$pin|$pin|0")
-done
+  echo "[matrix] $pin: environment could not be built; last lines of $out/env-$pin.log:"
+  tail -n 20 "$out/env-$pin.log" | sed 's/^/    /'
+  echo "$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED" >"$out/$pin.row"
+  return 1
+}
 
 run_one() {
   local label="$1" pin="$2" force="$3"
@@ -102,12 +101,23 @@ run_one() {
   echo "$label|$version|$tf|$passed|$failed|$skipped|$seconds|$status" >"$out/$label.row"
 }
 
-echo "[matrix] ${#runs[@]} runs, $jobs at a time: $(printf '%s ' "${runs[@]%%|*}")"
-for run in "${runs[@]}"; do
-  IFS='|' read -r label pin force <<<"$run"
-  throttle "$jobs"
-  echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
-  run_one "$label" "$pin" "$force" &
+# ---- runs, $jobs at a time, each as soon as its environment is ready. An environment whose
+# mlx-vlm ships cohere_compass also gets the forced run, first.
+run_pids=()
+running() { local n=0 pid; for pid in "${run_pids[@]}"; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done; echo $n; }
+for pin in "${order[@]}"; do
+  env_ready "$pin" || continue
+  labels=("$pin|0")
+  if compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
+    labels=("$pin+forced|1" "$pin|0")
+  fi
+  for run in "${labels[@]}"; do
+    label="${run%|*}"; force="${run#*|}"
+    while [ "$(running)" -ge "$jobs" ]; do sleep 1; done
+    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
+    run_one "$label" "$pin" "$force" &
+    run_pids+=($!)
+  done
 done
 wait
 
@@ -127,7 +137,7 @@ for pin in "${pins[@]}"; do
     total_skipped=$((total_skipped + skipped))
   done
 done
-echo "[matrix] wall time ${wall}s (environments ${env_seconds}s, then runs $jobs at a time); logs in build/matrix/"
+echo "[matrix] wall time ${wall}s (environments built beside the runs, $jobs runs at a time); logs in build/matrix/"
 if [ $failed_runs -gt 0 ] && [ $total_failed -eq 0 ]; then
   total_failed=$failed_runs  # a run that failed without failing tests (no tests, crash, env)
 fi
