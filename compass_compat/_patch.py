@@ -353,7 +353,7 @@ def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
     # The folder is checked before the processor reads any file of it (the vendored
     # package itself never imports this package); inside mlx_vlm.load, by taking the
     # loader guard's verdict when the folder is unchanged since.
-    from .checkpoint_checks import validate_load_step
+    from .load_checks import validate_load_step
 
     validate_load_step(path, require_weights=False)
     return processor_cls.from_pretrained(path, *args, **kwargs)
@@ -414,7 +414,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
     original = vars(utils).get("load_model", _MISSING)
     if original is _MISSING or not callable(original) or getattr(original, TAG, False):
         return
-    from .checkpoint_checks import validate_load_start
+    from .load_checks import validate_load_start
 
     @functools.wraps(original)
     def load_model(model_path: Any, *args: Any, **kwargs: Any) -> Any:

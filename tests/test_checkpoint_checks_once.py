@@ -21,7 +21,8 @@ from typing import Callable, Dict, List
 
 import pytest
 
-from compass_compat.checkpoint_checks import SETTLED_NS, CheckpointError, validate_checkpoint
+from compass_compat.checkpoint_checks import CheckpointError, validate_checkpoint
+from compass_compat.load_checks import SETTLED_NS
 from compass_data.tiny import build_tiny_checkpoint
 from tests.lib.vendored import vendored
 
