@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from .checkpoint_checks import CheckpointError, CheckpointReport, check_folder, validate_checkpoint, weights_required
+from . import checkpoint_checks
+from .checkpoint_checks import CheckpointError, CheckpointReport, check_folder, weights_required
 
 # A same-size rewrite within the file system's timestamp granularity keeps a file's stat
 # (FAT: 2 s; HFS+, ext3: 1 s; elsewhere a clock tick), so a verdict on a folder with an
@@ -61,7 +62,8 @@ def validate_load_step(path: Any, *, require_weights: bool = True) -> Checkpoint
         or verdict.folder != _spelling(folder)
         or verdict.fingerprint != _fingerprint(folder)
     ):
-        return validate_checkpoint(path, require_weights=require_weights)
+        # Looked up at call time, so whatever wraps validate_checkpoint sees this check too.
+        return checkpoint_checks.validate_checkpoint(path, require_weights=require_weights)
     if verdict.refusal is not None:
         raise _again(verdict.refusal)
     return weights_required(verdict.report, require_weights)
