@@ -14,7 +14,7 @@ import numpy as np
 
 from ..harness import Context, max_abs
 from ..report import FAIL, PASS, UPSTREAM, Item, ItemResult, error_text, fmt
-from ..target import MODEL_TYPE, PACKAGE
+from ..target import PACKAGE
 from .base import result
 
 # The vendored package imported a second time, under its own name, next to the live one.
@@ -79,11 +79,11 @@ def external_imports() -> List[Tuple[str, str, List[str]]]:
 def _import_side_by_side() -> ModuleType:
     """Import the vendored package a second time as ``SIDE_BY_SIDE`` (relative imports still reach
     the installed mlx-vlm: the name sits under mlx_vlm.models)."""
-    from ...vendor import vendor_root
+    from ...vendor import package_dir
 
     if SIDE_BY_SIDE in sys.modules:
         return sys.modules[SIDE_BY_SIDE]
-    pkg_dir = vendor_root() / "mlx_vlm" / "models" / MODEL_TYPE
+    pkg_dir = package_dir()
     spec = importlib.util.spec_from_file_location(
         SIDE_BY_SIDE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
     )
