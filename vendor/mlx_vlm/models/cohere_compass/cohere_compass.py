@@ -160,6 +160,9 @@ class Model(nn.Module):
         dense, ``[B, L, K, D]`` with zeros off the vision tokens, so hosts slice and
         left-pad them like the embeddings.
         """
+        pixel_values, pixel_values_videos, mm_token_type_ids, mask = fit_training_batch(
+            input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask
+        )
         embeds = self.language_model.model.embed_tokens(input_ids)
         given = {
             IMAGE: (pixel_values, cached_image_features, image_grid_thw),
@@ -357,6 +360,47 @@ def _same_arrays(weights: Dict[str, Any], a: Dict[str, str], b: Dict[str, Option
         and mx.array_equal(weights[a[part]], weights[b[part]]).item()
         for part in a
     )
+
+
+def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask):
+    """Fit what mlx-vlm's trainer passes to the ids it passes (every pin with a trainer).
+
+    Its loss drops the last id (it predicts the next one) and right-pads each batch to a
+    multiple of 32, but passes the processor's ``mm_token_type_ids`` as returned: one
+    column longer than the ids when the padding is short, else shorter by the padding.
+    It stacks each row's patches ``[B, N, C]``. Only those shapes are fitted: a dropped
+    column must be text, an added one padding (mask 0); anything else is an error.
+    """
+    # compass-compat: upstream's cohere_compass fails on these shapes (mlx-vlm 0.7.10).
+    if pixel_values is not None and pixel_values.ndim == 3:
+        pixel_values = pixel_values.reshape(-1, pixel_values.shape[-1])
+    if pixel_values_videos is not None and pixel_values_videos.ndim == 3:
+        pixel_values_videos = pixel_values_videos.reshape(-1, pixel_values_videos.shape[-1])
+    B, L = input_ids.shape
+    if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == L + 1:
+        mask = mask[:, :L]
+    if mm_token_type_ids is None:
+        return pixel_values, pixel_values_videos, None, mask
+    types = np.asarray(mm_token_type_ids)
+    types = types.reshape(1, -1) if types.ndim == 1 else types
+    if types.ndim != 2 or types.shape[0] != B:
+        raise ValueError(
+            f"mm_token_type_ids has shape {list(types.shape)} for input_ids of shape {[B, L]}: it needs one "
+            "row per prompt (mlx-vlm 0.6.x's trainer keeps only the first row when the prompts of a batch "
+            "differ in length: train with --batch-size 1 there)"
+        )
+    T = types.shape[1]
+    if T == L + 1 and not types[:, L].any():
+        types = types[:, :L]
+    elif T < L and mask is not None and not np.asarray(mask)[:, T:].any():
+        types = np.pad(types, ((0, 0), (0, L - T)))
+    elif T != L:
+        raise ValueError(
+            f"mm_token_type_ids has {T} columns but input_ids has {L}. Pass the processor's outputs of one "
+            "prompt together; a training batch may only drop the last token (never an image or video "
+            "token) or add padding (attention mask 0)"
+        )
+    return pixel_values, pixel_values_videos, types, mask
 
 
 def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:
