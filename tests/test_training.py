@@ -274,24 +274,25 @@ def test_completion_only_loss_gives_prompt_tokens_no_loss(folders, source):
     assert ids[0, P - 1] == assistant_id and np.count_nonzero(ids[0, :L] == assistant_id) == 1
 
 
-def _fit(types, ids_len: int, mask=None):
+IMAGE_PAD = 510  # the tiny tokenizer's <|IMAGE_PAD|>
+
+
+def _fit(types, ids):
     fit = vendored("cohere_compass").fit_training_batch
-    ids = mx.zeros((1, ids_len), dtype=mx.int32)
-    return fit(ids, None, None, np.array(types), None if mask is None else mx.array(mask))[2]
+    return fit(mx.array(ids), None, None, np.array(types), None, [IMAGE_PAD, 511])[2]
 
 
 def test_fit_training_batch_fits_only_the_trainers_shapes():
-    # The trainer's shift drops the last column (text), its padding adds columns (mask 0).
-    np.testing.assert_array_equal(_fit([[0, 1, 1, 0, 0]], 4), [[0, 1, 1, 0]])
-    np.testing.assert_array_equal(_fit([[0, 1, 1]], 5, [[1, 1, 1, 0, 0]]), [[0, 1, 1, 0, 0]])
-    np.testing.assert_array_equal(_fit([[0, 1, 1]], 3), [[0, 1, 1]])
+    p = IMAGE_PAD
+    # The trainer's shift drops the last column (text); padding or a completion adds text.
+    np.testing.assert_array_equal(_fit([[0, 1, 1, 0, 0]], [[5, p, p, 7]]), [[0, 1, 1, 0]])
+    np.testing.assert_array_equal(_fit([[0, 1, 1]], [[5, p, p, 0, 0]]), [[0, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(_fit([[0, 1, 1]], [[5, p, p]]), [[0, 1, 1]])
     with pytest.raises(ValueError, match="never an image or video token"):
-        _fit([[0, 1, 1, 0, 1]], 4)  # the dropped column is an image token
+        _fit([[0, 1, 1, 0, 1]], [[5, p, p, 7]])  # the dropped column is an image token
     with pytest.raises(ValueError, match="has 6 columns but input_ids has 4"):
-        _fit([[0, 1, 1, 0, 0, 0]], 4)
+        _fit([[0, 1, 1, 0, 0, 0]], [[5, p, p, 7]])
     with pytest.raises(ValueError, match="has 3 columns but input_ids has 5"):
-        _fit([[0, 1, 1]], 5, [[1, 1, 1, 1, 0]])  # an added column is no padding
-    with pytest.raises(ValueError, match="has 3 columns but input_ids has 5"):
-        _fit([[0, 1, 1]], 5)  # no mask: nothing says the added columns are padding
+        _fit([[0, 1, 1]], [[5, p, p, p, 0]])  # an added column is an image token
     with pytest.raises(ValueError, match="one row per prompt"):
-        _fit([[0, 1, 1, 0], [0, 1, 1, 0]], 4)
+        _fit([[0, 1, 1, 0], [0, 1, 1, 0]], [[5, p, p, 0]])

@@ -161,7 +161,12 @@ class Model(nn.Module):
         left-pad them like the embeddings.
         """
         pixel_values, pixel_values_videos, mm_token_type_ids, mask = fit_training_batch(
-            input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask
+            input_ids,
+            pixel_values,
+            pixel_values_videos,
+            mm_token_type_ids,
+            mask,
+            [self.config.image_token_id, self.config.video_token_id],
         )
         embeds = self.language_model.model.embed_tokens(input_ids)
         given = {
@@ -362,14 +367,14 @@ def _same_arrays(weights: Dict[str, Any], a: Dict[str, str], b: Dict[str, Option
     )
 
 
-def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask):
+def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids):
     """Fit what mlx-vlm's trainer passes to the ids it passes (every pin with a trainer).
 
-    Its loss drops the last id (it predicts the next one) and right-pads each batch to a
-    multiple of 32, but passes the processor's ``mm_token_type_ids`` as returned: one
-    column longer than the ids when the padding is short, else shorter by the padding.
-    It stacks each row's patches ``[B, N, C]``. Only those shapes are fitted: a dropped
-    column must be text, an added one padding (mask 0); anything else is an error.
+    Its losses drop the last id (it predicts the next one); the batches are right-padded to a
+    multiple of 32 and GRPO appends the sampled completion, but ``mm_token_type_ids`` stays the
+    processor's: one column longer than the ids, or shorter by the padding or completion. The
+    patches of each row come stacked ``[B, N, C]``. Only those shapes are fitted: a dropped
+    column must be text, added ids no image or video token (``media_ids``); else an error.
     """
     # compass-compat: upstream's cohere_compass fails on these shapes (mlx-vlm 0.7.10).
     if pixel_values is not None and pixel_values.ndim == 3:
@@ -392,13 +397,13 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     T = types.shape[1]
     if T == L + 1 and not types[:, L].any():
         types = types[:, :L]
-    elif T < L and mask is not None and not np.asarray(mask)[:, T:].any():
+    elif T < L and not np.isin(np.asarray(input_ids)[:, T:], media_ids).any():
         types = np.pad(types, ((0, 0), (0, L - T)))
     elif T != L:
         raise ValueError(
             f"mm_token_type_ids has {T} columns but input_ids has {L}. Pass the processor's outputs of one "
             "prompt together; a training batch may only drop the last token (never an image or video "
-            "token) or add padding (attention mask 0)"
+            "token) or add text after the prompt (padding, a sampled completion)"
         )
     return pixel_values, pixel_values_videos, types, mask
 
