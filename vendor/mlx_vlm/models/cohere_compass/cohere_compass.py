@@ -376,7 +376,7 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     patches of each row come stacked ``[B, N, C]``. Only those shapes are fitted: a dropped
     column must be text, added ids no image or video token (``media_ids``); else an error.
     """
-    # compass-compat: upstream's cohere_compass fails on these shapes (mlx-vlm 0.7.10).
+    # compass-compat: upstream (0.7.10) ignores mm_token_type_ids and the patch count; we check both.
     if pixel_values is not None and pixel_values.ndim == 3:
         pixel_values = pixel_values.reshape(-1, pixel_values.shape[-1])
     if pixel_values_videos is not None and pixel_values_videos.ndim == 3:
