@@ -1,188 +1,44 @@
 """The caller contract (docs/model-contract.md), item by item, against the one-shot reference.
 
-Each driver calls the model the way one kind of caller does (mlx-vlm's generate, batch and
-server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the logits of the
-prompt's last token and of each teacher-forced decode step. Ours is compared with the recorded
-transformers fixtures (prefill and step logits within 1e-4, greedy ids exact), never with
-another run of our code. The control (a built-in mlx-vlm ``qwen3_vl``, tests/test_control_contract.py)
-runs the same drivers; docs/model-contract.md has both columns.
+Each driver (tests/lib/contract.py) calls the model the way one kind of caller does (mlx-vlm's
+generate, batch and server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the
+logits of the prompt's last token and of each teacher-forced decode step. Ours is compared with
+the recorded transformers fixtures (prefill and step logits within 1e-4, greedy ids exact),
+never with another run of our code. The control, mlx-vlm's own ``qwen3_vl``, runs the same
+drivers in tests/test_control_contract.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from compass_compat.checklist.harness import case_inputs
+from tests.lib.contract import (
+    DECODES,
+    STEPS,
+    STORED_DELTA,
+    TOL,
+    Case,
+    check,
+    decode_plain,
+    forget_kept_delta,
+    has_batch_caches,
+    last,
+    make_cache,
+    one_row_batch_cache,
+    prefill_lm_chunks,
+    prefill_model_chunks,
+    prefill_whole,
+    prefix_then_suffix,
+    reference_case,
+    run_decode,
+)
 from tests.lib.vendored import vendored
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here
-TOL = 1e-4
-STEPS = 10  # decode steps: the tiny model's sliding window (8) wraps
-CHUNK = 5
-
-
-@dataclass
-class Case:
-    """One prompt: ``ids`` [1, L], its image kwargs, and what the reference says it gives."""
-
-    name: str
-    ids: mx.array
-    pixels: Optional[mx.array]
-    extra: Dict[str, Any]
-    prefill_last: np.ndarray  # [V]
-    step_logits: np.ndarray  # [STEPS, V]: row 0 = prefill_last, row i = after feeding token i-1
-    greedy: List[int]  # [STEPS]
-    delta: int  # the reference's rope delta (0 for text)
-    vision_end: int  # index just past the last vision token (0 for text)
-
-    @property
-    def length(self) -> int:
-        return int(self.ids.shape[1])
-
-    @property
-    def has_image(self) -> bool:
-        return self.pixels is not None
-
-
-def reference_case(reference, name: str) -> Case:
-    case = reference(name)
-    ids, pixels, extra = case_inputs(case)
-    types = np.asarray(case.get("mm_token_type_ids", np.zeros_like(case["input_ids"])))[0]
-    vision = np.nonzero(types)[0]
-    return Case(
-        name=name,
-        ids=ids,
-        pixels=pixels,
-        extra=extra,
-        prefill_last=np.asarray(case["prefill_logits"])[-1],
-        step_logits=np.asarray(case["greedy_logits"])[:STEPS],
-        greedy=[int(t) for t in case["greedy_ids"][:STEPS]],
-        delta=int(np.asarray(case["rope_deltas"]).reshape(-1)[0]) if "rope_deltas" in case else 0,
-        vision_end=int(vision[-1]) + 1 if len(vision) else 0,
-    )
-
-
-def check(case: Case, rows: List[np.ndarray], what: str) -> None:
-    got = np.stack(rows)
-    want = case.step_logits[: len(rows)]
-    diff = float(np.abs(got - want).max())
-    assert diff < TOL, f"{what} on {case.name}: max |logits - reference| = {diff:.3g}"
-    assert got.argmax(-1).tolist() == case.greedy[: len(rows)], f"{what} on {case.name}: greedy ids differ"
-
-
-def last(out) -> np.ndarray:
-    return np.array(out.logits[0, -1])
-
-
-# ------------------------------------------------------------------------- decode styles
-# Each takes (model, cache, token, case, step) and returns the language model's output.
-
-
-def decode_plain(model, cache, token, case, step):
-    return model.language_model(mx.array([[token]]), cache=cache)
-
-
-def decode_rope_deltas(model, cache, token, case, step):
-    return model.language_model(mx.array([[token]]), cache=cache, rope_deltas=mx.array([[case.delta]]))
-
-
-def decode_positions(model, cache, token, case, step):
-    """oMLX-style: absolute positions, offset + delta, per row."""
-    pos = case.length + step + case.delta
-    return model.language_model(mx.array([[token]]), cache=cache, position_ids=mx.full((3, 1, 1), pos, mx.int32))
-
-
-def decode_vmlx(model, cache, token, case, step):
-    """vMLX: cache offset + arange, plus the request's delta only if the model declares it."""
-    adds = getattr(model.language_model, "decode_positions_add_request_rope_delta", False)
-    pos = case.length + step + (case.delta if adds else 0)
-    return model.language_model(mx.array([[token]]), cache=cache, position_ids=mx.full((3, 1, 1), pos, mx.int32))
-
-
-DECODES: Dict[str, Callable] = {
-    "neither": decode_plain,
-    "rope_deltas": decode_rope_deltas,
-    "position_ids": decode_positions,
-    "vmlx": decode_vmlx,
-}
-
-
-def run_decode(model, cache, case: Case, first: np.ndarray, style: Callable, steps: int = STEPS) -> List[np.ndarray]:
-    rows = [first]
-    for step, token in enumerate(case.greedy[: steps - 1]):
-        rows.append(last(style(model, cache, token, case, step)))
-    return rows
-
-
-# ------------------------------------------------------------------------ prefill styles
-
-
-def prefill_whole(model, case: Case, cache) -> np.ndarray:
-    """mlx-vlm 0.3.x generate, oMLX: ``Model.__call__`` on the whole prompt."""
-    return last(model(case.ids, case.pixels, cache=cache, **case.extra))
-
-
-def prefill_model_chunks(model, case: Case, cache) -> np.ndarray:
-    """Rapid-MLX's text prefill: ``model(ids[:, s:s+n], cache=cache, pixel_values=None)``."""
-    out = None
-    for s in range(0, case.length, CHUNK):
-        out = model(case.ids[:, s : s + CHUNK], cache=cache, pixel_values=None)
-    return last(out)
-
-
-def prefill_lm_chunks(model, case: Case, cache) -> np.ndarray:
-    """mlx-vlm >= 0.4 generate: embeddings once, the language model per chunk with the
-    whole prompt's other outputs (positions, deltas, deepstack)."""
-    emb = model.get_input_embeddings(case.ids, case.pixels, **case.extra)
-    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
-    out = None
-    for s in range(0, case.length, CHUNK):
-        out = model.language_model(
-            case.ids[:, s : s + CHUNK], inputs_embeds=emb.inputs_embeds[:, s : s + CHUNK], cache=cache, **kwargs
-        )
-    return last(out)
-
-
-def prefix_then_suffix(model, case: Case, cache, split: int, host_kwargs: bool) -> np.ndarray:
-    """A cache holding the prompt's first ``split`` tokens (restored from a prefix cache),
-    then the text suffix: embedded alone and passed on as the host got it (LM Studio), or
-    through ``Model.__call__`` (mlx-vlm's own prompt-cache reuse)."""
-    prefix = case.ids[:, :split]
-    types = case.extra.get("mm_token_type_ids")
-    extra = {**case.extra, "mm_token_type_ids": types[:, :split]} if types is not None else case.extra
-    mx.eval(model(prefix, case.pixels, cache=cache, **extra).logits)
-    suffix = case.ids[:, split:]
-    if not host_kwargs:
-        return last(model(suffix, cache=cache))
-    emb = model.get_input_embeddings(suffix)
-    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
-    return last(model.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs))
-
-
-def one_row_batch_cache(model) -> List[Any]:
-    """Rapid-MLX's one-at-a-time lane: a one-row batch cache (no left padding)."""
-    from mlx_lm.models import cache as lm_cache
-
-    return [
-        lm_cache.BatchRotatingKVCache(layer.self_attn.window, [0])
-        if layer.layer_type == "sliding_attention"
-        else lm_cache.BatchKVCache([0])
-        for layer in model.language_model.layers
-    ]
-
-
-def has_batch_caches() -> bool:
-    try:
-        from mlx_lm.models import cache as lm_cache
-    except ImportError:
-        return False
-    return hasattr(lm_cache, "BatchKVCache") and hasattr(lm_cache, "BatchRotatingKVCache")
-
 
 # --------------------------------------------------------------------------------- tests
 
@@ -207,7 +63,7 @@ def cases(reference) -> Dict[str, Case]:
 def test_whole_prefill_then_decode(model, cases, name, style):
     """Decode with no positions, with the request's delta, with absolute positions, as vMLX."""
     case = cases[name]
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     check(case, run_decode(model, cache, case, prefill_whole(model, case, cache), DECODES[style]), f"decode {style}")
 
 
@@ -215,14 +71,14 @@ def test_whole_prefill_then_decode(model, cases, name, style):
 def test_text_prefill_in_chunks_through_model_call(model, cases, name):
     """Rapid-MLX: each chunk continues from the cache offset (it used to restart at 0)."""
     case = cases[name]
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     check(case, run_decode(model, cache, case, prefill_model_chunks(model, case, cache), decode_plain), "chunks")
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
     case = cases[name]
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
 
 
@@ -231,7 +87,7 @@ def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
 def test_text_suffix_after_a_restored_prefix(model, cases, name, host_kwargs):
     """LM Studio: the suffix's own ``get_input_embeddings`` output, passed on unchanged."""
     case = cases[name]
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     first = prefix_then_suffix(model, case, cache, case.length // 2, host_kwargs)
     check(case, run_decode(model, cache, case, first, decode_plain), "restored prefix")
 
@@ -240,7 +96,7 @@ def test_text_suffix_after_a_restored_prefix(model, cases, name, host_kwargs):
 def test_text_suffix_after_a_restored_image_prefix(model, cases, name):
     """The suffix follows the delta kept with the cache: the image's, not zero."""
     case = cases[name]
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     first = prefix_then_suffix(model, case, cache, case.vision_end + 2, host_kwargs=False)
     check(case, run_decode(model, cache, case, first, decode_plain), "restored image prefix")
 
@@ -269,7 +125,7 @@ def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name,
     cache = one_row_batch_cache(model)
     first = prefill_whole(model, case, cache)
     if rebuilt:
-        delattr(cache[0], vendored("language").STORED_DELTA)
+        forget_kept_delta(cache)
         model.language_model._rope_deltas = mx.array([[case.delta]])
     check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
 
@@ -279,7 +135,7 @@ def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
     """Hosts serving concurrent streams on one event loop: a text request prefilled and decoded
     between a picture request's steps must not change the picture's tokens (or the reverse)."""
     picture, text = cases["img_448"], cases["text_long"]
-    caches = {c.name: model.language_model.make_cache() for c in (picture, text)}
+    caches = {c.name: make_cache(model) for c in (picture, text)}
     rows: Dict[str, List[np.ndarray]] = {picture.name: [prefill_whole(model, picture, caches[picture.name])]}
     rows[text.name] = [prefill_whole(model, text, caches[text.name])]
     decode = DECODES[style]
@@ -289,6 +145,10 @@ def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
             rows[case.name].append(last(out))
     check(picture, rows[picture.name], f"interleaved ({style})")
     check(text, rows[text.name], f"interleaved ({style})")
+
+
+def test_the_kept_delta_is_where_the_drivers_look(model):
+    assert vendored("language").STORED_DELTA == STORED_DELTA
 
 
 def test_vmlx_marker_is_declared(model):
@@ -371,7 +231,7 @@ def vision_cache():
 
 
 def prefill_with(model, case: Case, **kwargs) -> np.ndarray:
-    cache = model.language_model.make_cache()
+    cache = make_cache(model)
     return last(model(case.ids, case.pixels, cache=cache, **case.extra, **kwargs))
 
 
