@@ -278,3 +278,45 @@ def test_replayed_features_of_other_pixels_are_not_used(model, cases):
     case = cases["img_448"]
     got = prefill_with(model, case, cached_image_features=other_picture_same_grid(model, cases))
     assert float(np.abs(got - case.prefill_last).max()) < TOL
+
+
+# ------------------------------------------------------- mlx-vlm's own generators, in turn
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_ckpt_original):
+    from mlx_vlm import load
+
+    return load(str(tiny_ckpt_original))
+
+
+def test_two_stream_generate_generators_advanced_in_turn(loaded, reference, fixture_images):
+    """Hosts that serve concurrent streams on one event loop advance one ``stream_generate``
+    generator per request in turn: a text request started in the middle of a picture's stream
+    must not change either stream's tokens."""
+    from mlx_vlm import stream_generate
+
+    model, processor = loaded
+    streams, got = {}, {}
+    for name in ("img_448", "text_long"):
+        meta = reference(name)["meta"]
+        images = [str(fixture_images[f]) for f in meta["images"]] or None
+        streams[name] = stream_generate(
+            model, processor, meta["prompt"], image=images, max_tokens=STEPS, temperature=0.0
+        )
+        got[name] = {}
+    live = list(streams)
+    while live:
+        for name in list(live):
+            result = next(streams[name], None)
+            if result is None:
+                live.remove(name)
+                continue
+            got[name].setdefault(int(result.generation_tokens), int(result.token))
+    eos = model.config.eos_token_id
+    for name in streams:
+        want = reference(name)["greedy_ids"].tolist()[:STEPS]
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        ids = [got[name][k] for k in sorted(got[name])]
+        assert ids[: len(want)] == want, f"{name}: {ids} != reference {want}"
