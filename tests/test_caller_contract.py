@@ -20,6 +20,7 @@ from tests.lib.contract import (
     DECODES,
     STEPS,
     STORED_DELTA,
+    SUFFIX_MODES,
     TOL,
     Case,
     check,
@@ -82,22 +83,23 @@ def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
     check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
 
 
-@pytest.mark.parametrize("host_kwargs", [True, False], ids=["embedded-alone", "model-call"])
+@pytest.mark.parametrize("mode", SUFFIX_MODES)
 @pytest.mark.parametrize("name", TEXT)
-def test_text_suffix_after_a_restored_prefix(model, cases, name, host_kwargs):
+def test_text_suffix_after_a_restored_prefix(model, cases, name, mode):
     """LM Studio: the suffix's own ``get_input_embeddings`` output, passed on unchanged."""
     case = cases[name]
     cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.length // 2, host_kwargs)
+    first = prefix_then_suffix(model, case, cache, case.length // 2, mode)
     check(case, run_decode(model, cache, case, first, decode_plain), "restored prefix")
 
 
+@pytest.mark.parametrize("mode", ["model-call", "primed"])
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
-def test_text_suffix_after_a_restored_image_prefix(model, cases, name):
+def test_text_suffix_after_a_restored_image_prefix(model, cases, name, mode):
     """The suffix follows the delta kept with the cache: the image's, not zero."""
     case = cases[name]
     cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.vision_end + 2, host_kwargs=False)
+    first = prefix_then_suffix(model, case, cache, case.vision_end + 2, mode)
     check(case, run_decode(model, cache, case, first, decode_plain), "restored image prefix")
 
 

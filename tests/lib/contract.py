@@ -144,19 +144,25 @@ def prefill_lm_chunks(model, case: Case, cache) -> np.ndarray:
     return last(out)
 
 
-def prefix_then_suffix(model, case: Case, cache, split: int, host_kwargs: bool) -> np.ndarray:
+SUFFIX_MODES = ("embedded-alone", "model-call", "primed")
+
+
+def prefix_then_suffix(model, case: Case, cache, split: int, mode: str) -> np.ndarray:
     """A cache holding the prompt's first ``split`` tokens (restored from a prefix cache),
-    then the text suffix: embedded alone and passed on as the host got it (LM Studio), or
-    through ``Model.__call__`` (mlx-vlm's own prompt-cache reuse)."""
+    then the text suffix: embedded alone and passed on as the host got it (LM Studio,
+    ``embedded-alone``), through ``Model.__call__`` (``model-call``), or as mlx-vlm 0.6.x's
+    generate does after a prefix-cache trim (``primed``: the whole prompt's delta passed to
+    ``get_input_embeddings``, whose non-None outputs then update the kwargs)."""
     prefix = case.ids[:, :split]
     types = case.extra.get("mm_token_type_ids")
     extra = {**case.extra, "mm_token_type_ids": types[:, :split]} if types is not None else case.extra
     mx.eval(model(prefix, case.pixels, cache=cache, **extra).logits)
     suffix = case.ids[:, split:]
-    if not host_kwargs:
+    if mode == "model-call":
         return last(model(suffix, cache=cache))
-    emb = model.get_input_embeddings(suffix)
-    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
+    kwargs: Dict[str, Any] = {"rope_deltas": mx.array([[case.delta]])} if mode == "primed" else {}
+    emb = model.get_input_embeddings(suffix, None, **kwargs)
+    kwargs.update({k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"})
     return last(model.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs))
 
 

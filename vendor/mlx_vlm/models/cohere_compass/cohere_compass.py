@@ -180,7 +180,7 @@ class Model(nn.Module):
         }
         given = {kind: parts for kind, parts in given.items() if parts[0] is not None or parts[1] is not None}
         if not given:
-            return self._text_embeddings(input_ids, embeds, mask)
+            return self._text_embeddings(input_ids, embeds, mask, kwargs.get("rope_deltas"))
 
         ids = np.array(input_ids)
         if mm_token_type_ids is not None:
@@ -296,13 +296,15 @@ class Model(nn.Module):
             attention_mask=mask,
         )
 
-    def _text_embeddings(self, input_ids, embeds, mask) -> CompassEmbeddings:
+    def _text_embeddings(self, input_ids, embeds, mask, given_deltas=None) -> CompassEmbeddings:
         """A text-only prompt: no positions (as upstream's text prompts: they follow the
         cache the caller decodes with) and one zero delta per row, so batching hosts
         (mlx-vlm 0.6+'s BatchGenerator) that concatenate each key over the rows that carry
         it, and pad a missing delta with another row's, keep every row's delta. Deepstack
         rows are zeros (a broadcast until a host concatenates rows). Leaves no state on
-        the language model: nothing of this request may reach another's decode."""
+        the language model: nothing of this request may reach another's decode. A caller's
+        ``rope_deltas`` comes back as given: mlx-vlm 0.6.x primes a trimmed prompt's suffix
+        with the whole prompt's delta, then lets this output replace its own."""
         B, L, D = embeds.shape
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
@@ -312,6 +314,14 @@ class Model(nn.Module):
             # Left-padded rows of one fresh prompt batch: positions that skip the padding.
             position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
             return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
+        if given_deltas is not None:
+            return CompassEmbeddings(
+                inputs_embeds=embeds,
+                rope_deltas=given_deltas,
+                deepstack_visual_embeds=deepstack,
+                visual_pos_masks=visual,
+                attention_mask=mask,
+            )
         rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
         self.language_model.remember_deltas(rope_deltas, [0] * B)
         return CompassEmbeddings(

@@ -220,6 +220,10 @@ class CompassTextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [DecoderLayer(config, t) for t in config.layer_types]
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        # A full-attention layer, whose cache offset counts every token (hosts such as vMLX
+        # read per-row offsets there; a sliding layer's buffer wraps).
+        full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+        self.fa_idx: Optional[int] = full[0] if full else None
 
     def __call__(self, h, positions, masks, cache, deepstack=None):
         """``deepstack``: ``[B, L, K, D]``, zero off the image tokens."""
