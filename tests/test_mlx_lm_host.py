@@ -167,10 +167,12 @@ def test_mlx_vlm_image_path_unchanged_while_registered(registered, reference, ti
     assert greedy(model, case, len(case["greedy_ids"])) == case["greedy_ids"].tolist()
 
 
-def test_decoding_an_image_prompt_with_the_mlx_lm_model_is_wrong(loaded, reference):
+def test_decoding_an_image_prompt_with_the_mlx_lm_model_is_wrong(loaded, reference, tmp_path):
     """Why registration is opt-in: what a host that decodes with an mlx-lm model after an
-    mlx-vlm image prefill (oMLX's old "decode model") would compute."""
-    from mlx_lm.models.cache import make_prompt_cache
+    mlx-vlm image prefill (oMLX's old "decode model") computes. On the prefill's own cache
+    objects the delta travels with the cache and the decode is right; from mlx-lm's prompt-cache
+    file of that cache (state only) it rotates from the offset alone and is wrong."""
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
     from mlx_vlm.utils import load_model
 
     lm, _, path = loaded
@@ -179,18 +181,22 @@ def test_decoding_an_image_prompt_with_the_mlx_lm_model_is_wrong(loaded, referen
     assert int(np.asarray(case["rope_deltas"]).reshape(-1)[0]) != 0
     steps = 8
 
-    def decode(step_model) -> np.ndarray:
+    def decode(step_model, reload: bool = False) -> np.ndarray:
         cache = make_prompt_cache(lm)
         rows = [np.array(prefill(vlm, case, cache)[-1])]
+        if reload:
+            save_prompt_cache(str(tmp_path / "prompt.safetensors"), cache)
+            cache = load_prompt_cache(str(tmp_path / "prompt.safetensors"))
+            step_model.language_model._rope_deltas = None  # as an mlx-lm model that never saw a prefill
         for token in case["greedy_ids"][: steps - 1]:
             out = step_model(mx.array([[int(token)]]), cache=cache)
             rows.append(np.array(getattr(out, "logits", out)[0, -1]))
         return np.stack(rows)
 
-    right = decode(vlm.language_model)  # honours the delta the prefill left
-    wrong = decode(lm)  # rotates from the cache offset alone
     ref = case["greedy_logits"][:steps]
-    assert np.abs(right - ref).max() < TOL
+    assert np.abs(decode(vlm.language_model) - ref).max() < TOL  # honours the delta the prefill kept
+    assert np.abs(decode(lm) - ref).max() < TOL  # the same cache objects carry it
+    wrong = decode(lm, reload=True)  # a cache rebuilt from its state rotates from the offset alone
     assert np.abs(wrong[1:] - ref[1:]).max() > 100 * TOL
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -95,7 +98,9 @@ class Model(nn.Module):
         grid = mx.array(np.asarray(image_grid_thw, dtype=np.int32).reshape(-1, 3))
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
-        return mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
+        encoded = mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
+        FEATURE_SOURCES.remember(encoded, pixel_values, image_grid_thw)
+        return encoded
 
     def encode_video(self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None) -> mx.array:
         """:meth:`encode_image` for videos: the same tower on ``pixel_values_videos`` and
@@ -168,6 +173,14 @@ class Model(nn.Module):
             mask,
             [self.config.image_token_id, self.config.video_token_id],
         )
+        if pixel_values is not None:
+            cached_image_features = self._image_features_for(
+                pixel_values,
+                image_grid_thw,
+                cached_image_features,
+                kwargs.get("vision_cache"),
+                kwargs.get("_image_key"),
+            )
         embeds = self.language_model.model.embed_tokens(input_ids)
         given = {
             IMAGE: (pixel_values, cached_image_features, image_grid_thw),
@@ -175,7 +188,7 @@ class Model(nn.Module):
         }
         given = {kind: parts for kind, parts in given.items() if parts[0] is not None or parts[1] is not None}
         if not given:
-            return self._text_embeddings(input_ids, embeds, mask)
+            return self._text_embeddings(input_ids, embeds, mask, kwargs.get("rope_deltas"))
 
         ids = np.array(input_ids)
         if mm_token_type_ids is not None:
@@ -226,6 +239,26 @@ class Model(nn.Module):
             merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(types != 0), mask
         )
 
+    def _image_features_for(self, pixels, grid, cached, vision_cache, key) -> Optional[CachedFeatures]:
+        """Features to replay for these pixels, or None to run the tower.
+
+        A replay this model encoded from other pixels (a cache keyed by file path whose file
+        changed) is never used. With mlx-vlm's ``vision_cache`` and ``_image_key`` (its
+        batched server, LM Studio's engine, Rapid-MLX) a miss runs the tower once and
+        stores the result; a hit runs no tower.
+        """
+        if cached is not None and FEATURE_SOURCES.encoded_from_other(cached, pixels, grid):
+            cached = None
+        if cached is not None or vision_cache is None or key is None or grid is None:
+            return cached
+        hit = vision_cache.get(key)
+        if isinstance(hit, mx.array) and FEATURE_SOURCES.encoded_from(hit, pixels, grid):
+            return hit
+        features = self.encode_image(pixels, grid)
+        mx.eval(features)
+        vision_cache.put(key, features)
+        return features
+
     def _visual_features(
         self, kind: int, pixels: Optional[mx.array], cached: Optional[CachedFeatures], grid: Optional[Any]
     ) -> Tuple[mx.array, List[mx.array], Any]:
@@ -271,17 +304,41 @@ class Model(nn.Module):
             attention_mask=mask,
         )
 
-    def _text_embeddings(self, input_ids, embeds, mask) -> CompassEmbeddings:
-        """A text-only prompt in the same per-row form as an image prompt (no deepstack memory:
-        the zeros are a broadcast until a host concatenates rows)."""
+    def _text_embeddings(self, input_ids, embeds, mask, given_deltas=None) -> CompassEmbeddings:
+        """A text-only prompt: no positions (as upstream's text prompts: they follow the
+        cache the caller decodes with) and one zero delta per row, so batching hosts
+        (mlx-vlm 0.6+'s BatchGenerator) that concatenate each key over the rows that carry
+        it, and pad a missing delta with another row's, keep every row's delta. Deepstack
+        rows are zeros (a broadcast until a host concatenates rows). Leaves no state on
+        the language model: nothing of this request may reach another's decode. A caller's
+        ``rope_deltas`` comes back as given: mlx-vlm 0.6.x primes a trimmed prompt's suffix
+        with the whole prompt's delta, then lets this output replace its own."""
         B, L, D = embeds.shape
-        position_ids, deltas = get_rope_index(
-            np.array(input_ids), None, -1, self._merge, attention_mask=padding_rows(mask)
-        )
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
         visual = mx.zeros((B, L), dtype=mx.bool_)
-        return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
+        padding = padding_rows(mask)
+        if padding is not None and not padding.all():
+            # Left-padded rows of one fresh prompt batch: positions that skip the padding.
+            position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
+            return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
+        if given_deltas is not None:
+            return CompassEmbeddings(
+                inputs_embeds=embeds,
+                rope_deltas=given_deltas,
+                deepstack_visual_embeds=deepstack,
+                visual_pos_masks=visual,
+                attention_mask=mask,
+            )
+        rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
+        self.language_model.remember_deltas(rope_deltas, [0] * B)
+        return CompassEmbeddings(
+            inputs_embeds=embeds,
+            rope_deltas=rope_deltas,
+            deepstack_visual_embeds=deepstack,
+            visual_pos_masks=visual,
+            attention_mask=mask,
+        )
 
     @property
     def _merge(self) -> int:
@@ -296,16 +353,22 @@ class Model(nn.Module):
         **kwargs,
     ):
         emb = self.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
-        for key in ("position_ids", "rope_deltas", "deepstack_visual_embeds", "visual_pos_masks"):
+        # A caller's positions and delta win (a prompt's later chunk, a host's own bookkeeping);
+        # else an image prompt's own; a text chunk has none and follows the cache it continues.
+        position_ids = kwargs.pop("position_ids", None)
+        rope_deltas = kwargs.pop("rope_deltas", None)
+        if position_ids is None and emb.position_ids is not None:
+            position_ids = emb.position_ids
+            rope_deltas = emb.rope_deltas if rope_deltas is None else rope_deltas
+        for key in ("deepstack_visual_embeds", "visual_pos_masks", "inputs_embeds"):
             kwargs.pop(key, None)
-        kwargs.pop("inputs_embeds", None)
         return self.language_model(
             input_ids,
             inputs_embeds=emb.inputs_embeds,
             mask=mask,
             cache=cache,
-            position_ids=emb.position_ids,
-            rope_deltas=emb.rope_deltas,
+            position_ids=position_ids,
+            rope_deltas=rope_deltas,
             deepstack_visual_embeds=emb.deepstack_visual_embeds,
             **kwargs,
         )
@@ -406,6 +469,58 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
             "token) or add text after the prompt (padding, a sampled completion)"
         )
     return pixel_values, pixel_values_videos, types, mask
+
+
+def _pixel_fingerprint(pixels: Any, grid: Any) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(np.asarray(grid, dtype=np.int64)).tobytes())
+    array = np.asarray(pixels)
+    digest.update(str((array.dtype, array.shape)).encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+class FeatureSources:
+    """Which pixels each live ``encode_image`` result came from (by content and grid).
+
+    Hosts cache features by image path or URL; a file changed under the same path
+    then arrives with the old features. Entries go when their array is freed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: Dict[int, Tuple[Any, str]] = {}
+
+    def remember(self, features: mx.array, pixels: Any, grid: Any) -> None:
+        fingerprint = _pixel_fingerprint(pixels, grid)
+        key = id(features)
+
+        def forget(_ref: Any, key: int = key) -> None:
+            with self._lock:
+                entry = self._sources.get(key)
+                if entry is not None and entry[0] is _ref:
+                    del self._sources[key]
+
+        with self._lock:
+            self._sources[key] = (weakref.ref(features, forget), fingerprint)
+
+    def _fingerprint_of(self, features: Any) -> Optional[str]:
+        with self._lock:
+            entry = self._sources.get(id(features))
+        return entry[1] if entry is not None and entry[0]() is features else None
+
+    def encoded_from(self, features: Any, pixels: Any, grid: Any) -> bool:
+        """Whether this model encoded ``features`` from exactly these pixels and grid."""
+        known = self._fingerprint_of(features)
+        return known is not None and known == _pixel_fingerprint(pixels, grid)
+
+    def encoded_from_other(self, features: Any, pixels: Any, grid: Any) -> bool:
+        """Whether this model encoded ``features`` from other pixels (unknown arrays: False)."""
+        known = self._fingerprint_of(features)
+        return known is not None and grid is not None and known != _pixel_fingerprint(pixels, grid)
+
+
+FEATURE_SOURCES = FeatureSources()
 
 
 def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:

@@ -459,11 +459,25 @@ class CohereCompassImageProcessor(BaseImageProcessor):
 
     @property
     def min_pixels(self) -> int:
+        """Smallest pixel count an image is resized to (``size["shortest_edge"]``).
+
+        Assignable, as on mlx-vlm's own image processors: hosts set it (and
+        :attr:`max_pixels`) around a request, and the next call resizes with it.
+        """
         return self.size["shortest_edge"]
+
+    @min_pixels.setter
+    def min_pixels(self, value: int) -> None:
+        self.size = {**self.size, "shortest_edge": _positive_int("min_pixels", value)}
 
     @property
     def max_pixels(self) -> int:
+        """Largest pixel count an image is resized to (``size["longest_edge"]``); assignable."""
         return self.size["longest_edge"]
+
+    @max_pixels.setter
+    def max_pixels(self, value: int) -> None:
+        self.size = {**self.size, "longest_edge": _positive_int("max_pixels", value)}
 
     @classmethod
     def from_dict(cls, image_processor_dict: Dict[str, Any], **kwargs):
@@ -513,6 +527,11 @@ class CohereCompassImageProcessor(BaseImageProcessor):
                     f"with do_resize=False the image sides must be multiples of {factor}, got {width}x{height}"
                 )
             return height, width
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"cohere_compass image processor: min_pixels ({self.min_pixels}) exceeds max_pixels "
+                f"({self.max_pixels}); set them so that min_pixels <= max_pixels"
+            )
         return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:

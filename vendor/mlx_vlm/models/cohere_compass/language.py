@@ -220,6 +220,10 @@ class CompassTextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [DecoderLayer(config, t) for t in config.layer_types]
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        # A full-attention layer, whose cache offset counts every token (hosts such as vMLX
+        # read per-row offsets there; a sliding layer's buffer wraps).
+        full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+        self.fa_idx: Optional[int] = full[0] if full else None
 
     def __call__(self, h, positions, masks, cache, deepstack=None):
         """``deepstack``: ``[B, L, K, D]``, zero off the image tokens."""
@@ -238,11 +242,15 @@ class LanguageModel(nn.Module):
     Positions of one forward pass come, in this order, from: ``position_ids``
     given by the caller (``[3, B, L]`` or ``[B, L]``, the whole prompt or this
     chunk); else cache offset + rope delta, where the delta is the ``rope_deltas``
-    argument or, for single-sequence caches only, the one the last prefill left
-    in ``_rope_deltas``. Batch caches (per-row offsets) never read that module
-    state: a host decoding several sequences passes per-row deltas or positions.
-    A single-sequence cache at offset 0 starts a new sequence and clears it.
+    argument, else the one kept with this request's cache (``STORED_DELTA`` on its
+    first layer), else the one the last prefill left in ``_rope_deltas`` (hosts that
+    rebuild caches between prefill and decode), else 0. A cache at column 0 starts
+    new sequences. Every forward keeps the delta its tokens used with the cache and
+    in ``_rope_deltas``; docs/model-contract.md has the whole contract.
     """
+
+    # vMLX: decode positions it passes are offset + arange and need the request's delta added.
+    decode_positions_add_request_rope_delta = True
 
     def __init__(
         self,
@@ -331,20 +339,36 @@ class LanguageModel(nn.Module):
             base = columns
         return columns - base
 
+    def _request_delta(self, first: Any, B: int) -> Optional[Any]:
+        """The delta of the sequence(s) this cache continues: the one kept with the cache,
+        else the last prefill's (``_rope_deltas``) when it has a row per sequence."""
+        for delta in (getattr(first, STORED_DELTA, None), self._rope_deltas):
+            if delta is None:
+                continue
+            rows = 1 if isinstance(delta, (int, np.integer)) else int(np.prod(delta.shape))
+            # A batch filtered or extended since (rows changed) cannot use it row for row.
+            if rows == B:
+                return delta
+        return None
+
+    def _keep_delta(self, first: Any, delta: Any) -> None:
+        """Keep ``delta`` with this request's cache (so two requests decoded in turn in one
+        process never read each other's) and in ``_rope_deltas`` (hosts read it after prefill)."""
+        # Kept as an mx.array: mlx-vlm 0.6.x's batch generator reads and resets it.
+        self._rope_deltas = mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
+        if first is not None:
+            try:
+                setattr(first, STORED_DELTA, delta)
+            except AttributeError:  # a cache class with __slots__: the module state alone
+                pass
+
     def _positions(
-        self,
-        B: int,
-        L: int,
-        offset: Any,
-        position_ids: Optional[mx.array],
-        rope_deltas: Optional[Any],
-        batched: bool,
+        self, B: int, L: int, offset: Any, position_ids: Optional[mx.array], delta: Optional[Any]
     ) -> Positions:
         if position_ids is not None:
             if position_ids.ndim == 2:
                 position_ids = mx.broadcast_to(position_ids[None], (3,) + tuple(position_ids.shape))
             return Positions(explicit=position_ids)
-        delta = rope_deltas if rope_deltas is not None else (None if batched else self._rope_deltas)
         if delta is None:
             return Positions(offset=offset)
         if delta is self._known_deltas[0] and self._known_deltas[1] is not None:
@@ -382,25 +406,32 @@ class LanguageModel(nn.Module):
         else:
             offset = first.offset if first is not None else 0
             columns = offset
-            if offset == 0:
-                self._rope_deltas = None
+        fresh = first is None or columns == 0
+        if fresh:
+            self._rope_deltas = None
 
         if position_ids is not None and position_ids.shape[-1] != L:
             start = self._chunk_start("position_ids", position_ids, L, columns)
             position_ids = position_ids[..., start : start + L]
+        if position_ids is not None and position_ids.ndim == 3 and position_ids.shape[1] != B:
+            position_ids = _fill_text_rows(position_ids, B, L, offset, kwargs.get("visual_pos_masks"))
+        if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
+            rope_deltas = mx.array(rope_deltas)
+        delta = rope_deltas if rope_deltas is not None else (None if fresh else self._request_delta(first, B))
         if rope_deltas is not None:
-            # Kept as an mx.array: mlx-vlm 0.6.x's batch generator reads and resets it.
-            self._rope_deltas = rope_deltas if isinstance(rope_deltas, mx.array) else mx.array(rope_deltas)
+            self._keep_delta(first, rope_deltas)
         elif position_ids is not None:
             # The delta decode steps continue from (per row): last position + 1 - tokens so far.
             # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
             last = position_ids.max(axis=(0, 2)) if position_ids.ndim == 3 else position_ids.max(axis=-1)
-            self._rope_deltas = (last + 1 - (offset + L)).reshape(-1, 1)
+            self._keep_delta(first, (last + 1 - (offset + L)).reshape(-1, 1))
+        else:
+            self._keep_delta(first, (0 if B == 1 else mx.zeros((B, 1), mx.int32)) if delta is None else delta)
         deepstack = deepstack_visual_embeds
         if deepstack is not None and deepstack.shape[1] != L:
             start = self._chunk_start("deepstack", deepstack, L, columns)
             deepstack = deepstack[:, start : start + L]
-        positions = self._positions(B, L, offset, position_ids, rope_deltas, batched)
+        positions = self._positions(B, L, offset, position_ids, delta)
 
         if batched:
             per_window: Dict[Optional[int], mx.array] = {}
@@ -426,6 +457,34 @@ class LanguageModel(nn.Module):
     @staticmethod
     def sanitize(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         return weights
+
+
+# Attribute of a request's first-layer cache holding the rope delta its tokens continue from.
+STORED_DELTA = "compass_rope_deltas"
+
+
+def _fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, visual: Optional[Any]) -> mx.array:
+    """``[3, B, L]`` positions from a batch whose image rows alone brought positions.
+
+    mlx-vlm 0.6.x's batch generator concatenates each prompt key over the rows that
+    carry it; text rows carry none (as upstream's text prompts), so the rows given are
+    the rows with vision tokens, in order, and the text rows follow their cache offset.
+    """
+    if visual is None:
+        raise ValueError(
+            f"position_ids has {position_ids.shape[1]} rows but the batch has {B}; pass one row per "
+            "sequence (or the visual_pos_masks get_input_embeddings returned, to tell which rows they are)"
+        )
+    rows = np.nonzero(np.array(visual).reshape(B, -1).any(axis=1))[0]
+    if len(rows) != position_ids.shape[1]:
+        raise ValueError(
+            f"position_ids has {position_ids.shape[1]} rows but {len(rows)} of the batch's {B} rows have "
+            "vision tokens; pass one row per sequence"
+        )
+    text = mx.broadcast_to(mx.array(offset).reshape(-1, 1) + mx.arange(L), (B, L)).astype(position_ids.dtype)
+    full = mx.array(mx.broadcast_to(text[None], (3, B, L)))
+    full[:, mx.array(rows.astype(np.uint32))] = position_ids
+    return full
 
 
 def padding_rows(mask: Any) -> Optional[np.ndarray]:

@@ -1,0 +1,228 @@
+"""The caller contract's drivers (docs/model-contract.md): each calls a model the way one kind
+of caller does and returns the logits of the prompt's last token and of each teacher-forced
+decode step. Used on ours (tests/test_caller_contract.py, against the recorded transformers
+fixtures) and on the control, mlx-vlm's own ``qwen3_vl`` (tests/test_control_contract.py,
+against its own one-shot forward pass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from compass_compat.checklist.harness import case_inputs
+
+TOL = 1e-4
+STEPS = 10  # decode steps: the tiny model's sliding window (8) wraps
+CHUNK = 5
+# The attribute our language model keeps a request's delta under, on its first-layer cache.
+STORED_DELTA = "compass_rope_deltas"
+
+
+@dataclass
+class Case:
+    """One prompt: ``ids`` [1, L], its image kwargs, and what the reference says it gives."""
+
+    name: str
+    ids: mx.array
+    pixels: Optional[mx.array]
+    extra: Dict[str, Any]
+    prefill_last: np.ndarray  # [V]
+    step_logits: np.ndarray  # [STEPS, V]: row 0 = prefill_last, row i = after feeding token i-1
+    greedy: List[int]  # [STEPS]
+    delta: int  # the reference's rope delta (0 for text)
+    vision_end: int  # index just past the last vision token (0 for text)
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def has_image(self) -> bool:
+        return self.pixels is not None
+
+
+def reference_case(reference, name: str) -> Case:
+    """Case ``name`` of the recorded transformers fixtures (ours)."""
+    case = reference(name)
+    ids, pixels, extra = case_inputs(case)
+    types = np.asarray(case.get("mm_token_type_ids", np.zeros_like(case["input_ids"])))[0]
+    vision = np.nonzero(types)[0]
+    return Case(
+        name=name,
+        ids=ids,
+        pixels=pixels,
+        extra=extra,
+        prefill_last=np.asarray(case["prefill_logits"])[-1],
+        step_logits=np.asarray(case["greedy_logits"])[:STEPS],
+        greedy=[int(t) for t in case["greedy_ids"][:STEPS]],
+        delta=int(np.asarray(case["rope_deltas"]).reshape(-1)[0]) if "rope_deltas" in case else 0,
+        vision_end=int(vision[-1]) + 1 if len(vision) else 0,
+    )
+
+
+def check(case: Case, rows: List[np.ndarray], what: str) -> None:
+    got = np.stack(rows)
+    want = case.step_logits[: len(rows)]
+    diff = float(np.abs(got - want).max())
+    assert diff < TOL, f"{what} on {case.name}: max |logits - reference| = {diff:.3g}"
+    assert got.argmax(-1).tolist() == case.greedy[: len(rows)], f"{what} on {case.name}: greedy ids differ"
+
+
+def last(out) -> np.ndarray:
+    return np.array(out.logits[0, -1])
+
+
+# ------------------------------------------------------------------------- decode styles
+# Each takes (model, cache, token, case, step) and returns the language model's output.
+
+
+def decode_plain(model, cache, token, case, step):
+    return model.language_model(mx.array([[token]]), cache=cache)
+
+
+def decode_rope_deltas(model, cache, token, case, step):
+    return model.language_model(mx.array([[token]]), cache=cache, rope_deltas=mx.array([[case.delta]]))
+
+
+def decode_positions(model, cache, token, case, step):
+    """oMLX-style: absolute positions, offset + delta, per row."""
+    pos = case.length + step + case.delta
+    return model.language_model(mx.array([[token]]), cache=cache, position_ids=mx.full((3, 1, 1), pos, mx.int32))
+
+
+def decode_vmlx(model, cache, token, case, step):
+    """vMLX: cache offset + arange, plus the request's delta only if the model declares it."""
+    adds = getattr(model.language_model, "decode_positions_add_request_rope_delta", False)
+    pos = case.length + step + (case.delta if adds else 0)
+    return model.language_model(mx.array([[token]]), cache=cache, position_ids=mx.full((3, 1, 1), pos, mx.int32))
+
+
+DECODES: Dict[str, Callable] = {
+    "neither": decode_plain,
+    "rope_deltas": decode_rope_deltas,
+    "position_ids": decode_positions,
+    "vmlx": decode_vmlx,
+}
+
+
+def run_decode(model, cache, case: Case, first: np.ndarray, style: Callable, steps: int = STEPS) -> List[np.ndarray]:
+    rows = [first]
+    for step, token in enumerate(case.greedy[: steps - 1]):
+        rows.append(last(style(model, cache, token, case, step)))
+    return rows
+
+
+# ------------------------------------------------------------------------ prefill styles
+
+
+def prefill_whole(model, case: Case, cache) -> np.ndarray:
+    """mlx-vlm 0.3.x generate, oMLX: ``Model.__call__`` on the whole prompt."""
+    return last(model(case.ids, case.pixels, cache=cache, **case.extra))
+
+
+def prefill_model_chunks(model, case: Case, cache) -> np.ndarray:
+    """Rapid-MLX's text prefill: ``model(ids[:, s:s+n], cache=cache, pixel_values=None)``."""
+    out = None
+    for s in range(0, case.length, CHUNK):
+        out = model(case.ids[:, s : s + CHUNK], cache=cache, pixel_values=None)
+    return last(out)
+
+
+def prefill_lm_chunks(model, case: Case, cache) -> np.ndarray:
+    """mlx-vlm >= 0.4 generate: embeddings once, the language model per chunk with the
+    whole prompt's other outputs (positions, deltas, deepstack)."""
+    emb = model.get_input_embeddings(case.ids, case.pixels, **case.extra)
+    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
+    out = None
+    for s in range(0, case.length, CHUNK):
+        out = model.language_model(
+            case.ids[:, s : s + CHUNK], inputs_embeds=emb.inputs_embeds[:, s : s + CHUNK], cache=cache, **kwargs
+        )
+    return last(out)
+
+
+SUFFIX_MODES = ("embedded-alone", "model-call", "primed")
+
+
+def prefix_then_suffix(model, case: Case, cache, split: int, mode: str) -> np.ndarray:
+    """A cache holding the prompt's first ``split`` tokens (restored from a prefix cache),
+    then the text suffix: embedded alone and passed on as the host got it (LM Studio,
+    ``embedded-alone``), through ``Model.__call__`` (``model-call``), or as mlx-vlm 0.6.x's
+    generate does after a prefix-cache trim (``primed``: the whole prompt's delta passed to
+    ``get_input_embeddings``, whose non-None outputs then update the kwargs)."""
+    prefix = case.ids[:, :split]
+    types = case.extra.get("mm_token_type_ids")
+    extra = {**case.extra, "mm_token_type_ids": types[:, :split]} if types is not None else case.extra
+    mx.eval(model(prefix, case.pixels, cache=cache, **extra).logits)
+    suffix = case.ids[:, split:]
+    if mode == "model-call":
+        return last(model(suffix, cache=cache))
+    kwargs: Dict[str, Any] = {"rope_deltas": mx.array([[case.delta]])} if mode == "primed" else {}
+    emb = model.get_input_embeddings(suffix, None, **kwargs)
+    kwargs.update({k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"})
+    return last(model.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs))
+
+
+def one_row_batch_cache(model) -> List[Any]:
+    """Rapid-MLX's one-at-a-time lane: a one-row batch cache (no left padding)."""
+    from mlx_lm.models import cache as lm_cache
+
+    return [
+        lm_cache.BatchRotatingKVCache(layer.self_attn.window, [0])
+        if getattr(layer, "layer_type", None) == "sliding_attention"
+        else lm_cache.BatchKVCache([0])
+        for layer in model.language_model.layers
+    ]
+
+
+def has_batch_caches() -> bool:
+    try:
+        from mlx_lm.models import cache as lm_cache
+    except ImportError:
+        return False
+    return hasattr(lm_cache, "BatchKVCache") and hasattr(lm_cache, "BatchRotatingKVCache")
+
+
+def make_cache(model) -> List[Any]:
+    """A fresh prompt cache as mlx-vlm's generate makes it (models without their own
+    ``make_cache``, such as qwen3_vl, get one ``KVCache`` per layer)."""
+    make = getattr(model.language_model, "make_cache", None)
+    if make is not None:
+        return make()
+    from mlx_vlm.models.cache import KVCache
+
+    return [KVCache() for _ in model.language_model.layers]
+
+
+def control_case(model, name: str) -> Case:
+    """Case ``name`` of the control (scripts/_lib/control.py) with its own one-shot reference:
+    greedy ids with no cache at all, and the logits of the prompt plus those ids in one pass."""
+    from scripts._lib import control
+
+    inputs = control.control_prompt(name)
+    greedy = control.recompute_greedy(model, inputs, STEPS)
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+    full = control.one_shot_logits(model, control._with_ids(inputs, ids + greedy[:-1]))
+    L = len(ids)
+    positions = control.expected_positions(inputs)
+    vision = np.nonzero(np.asarray(inputs["input_ids"]).reshape(-1) == control.IMAGE_ID)[0]
+    extra = {"image_grid_thw": inputs["image_grid_thw"]} if "image_grid_thw" in inputs else {}
+    return Case(
+        name=name,
+        ids=inputs["input_ids"],
+        pixels=inputs.get("pixel_values"),
+        extra=extra,
+        prefill_last=full[L - 1],
+        step_logits=full[L - 1 : L - 1 + STEPS],
+        greedy=greedy,
+        delta=int(positions.max()) + 1 - L,
+        vision_end=int(vision[-1]) + 2 if len(vision) else 0,  # past the vision-end token
+    )
+
+
+def forget_kept_delta(cache: List[Any]) -> None:
+    """As a cache rebuilt from its state: no delta kept with it."""
+    vars(cache[0]).pop(STORED_DELTA, None)

@@ -1,0 +1,324 @@
+"""The caller contract (docs/model-contract.md), item by item, against the one-shot reference.
+
+Each driver (tests/lib/contract.py) calls the model the way one kind of caller does (mlx-vlm's
+generate, batch and server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the
+logits of the prompt's last token and of each teacher-forced decode step. Ours is compared with
+the recorded transformers fixtures (prefill and step logits within 1e-4, greedy ids exact),
+never with another run of our code. The control, mlx-vlm's own ``qwen3_vl``, runs the same
+drivers in tests/test_control_contract.py.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.lib.contract import (
+    DECODES,
+    STEPS,
+    STORED_DELTA,
+    SUFFIX_MODES,
+    TOL,
+    Case,
+    check,
+    decode_plain,
+    forget_kept_delta,
+    has_batch_caches,
+    last,
+    make_cache,
+    one_row_batch_cache,
+    prefill_lm_chunks,
+    prefill_model_chunks,
+    prefill_whole,
+    prefix_then_suffix,
+    reference_case,
+    run_decode,
+)
+from tests.lib.vendored import vendored
+
+vendored()  # upstream's own package, where live, is measured by the checklist, not here
+
+# --------------------------------------------------------------------------------- tests
+
+ALL = ["text_short", "text_long", "img_448", "img_two"]
+TEXT = ["text_short", "text_long"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt_original):
+    from mlx_vlm.utils import load_model
+
+    return load_model(tiny_ckpt_original)
+
+
+@pytest.fixture(scope="module")
+def cases(reference) -> Dict[str, Case]:
+    return {name: reference_case(reference, name) for name in ALL}
+
+
+@pytest.mark.parametrize("style", sorted(DECODES))
+@pytest.mark.parametrize("name", ALL)
+def test_whole_prefill_then_decode(model, cases, name, style):
+    """Decode with no positions, with the request's delta, with absolute positions, as vMLX."""
+    case = cases[name]
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_whole(model, case, cache), DECODES[style]), f"decode {style}")
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_text_prefill_in_chunks_through_model_call(model, cases, name):
+    """Rapid-MLX: each chunk continues from the cache offset (it used to restart at 0)."""
+    case = cases[name]
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_model_chunks(model, case, cache), decode_plain), "chunks")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
+    case = cases[name]
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
+
+
+@pytest.mark.parametrize("mode", SUFFIX_MODES)
+@pytest.mark.parametrize("name", TEXT)
+def test_text_suffix_after_a_restored_prefix(model, cases, name, mode):
+    """LM Studio: the suffix's own ``get_input_embeddings`` output, passed on unchanged."""
+    case = cases[name]
+    cache = make_cache(model)
+    first = prefix_then_suffix(model, case, cache, case.length // 2, mode)
+    check(case, run_decode(model, cache, case, first, decode_plain), "restored prefix")
+
+
+@pytest.mark.parametrize("mode", ["model-call", "primed"])
+@pytest.mark.parametrize("name", ["img_448", "img_two"])
+def test_text_suffix_after_a_restored_image_prefix(model, cases, name, mode):
+    """The suffix follows the delta kept with the cache: the image's, not zero."""
+    case = cases[name]
+    cache = make_cache(model)
+    first = prefix_then_suffix(model, case, cache, case.vision_end + 2, mode)
+    check(case, run_decode(model, cache, case, first, decode_plain), "restored image prefix")
+
+
+def test_text_embeddings_carry_no_positions_and_leave_no_state(model, cases):
+    """As upstream's text prompts: no positions (the caller's cache decides), one zero delta
+    per row (batching hosts concatenate deltas over rows), nothing left on the language model."""
+    lm = model.language_model
+    image = cases["img_448"]
+    model.get_input_embeddings(image.ids, image.pixels, **image.extra)
+    before = (lm._rope_deltas, lm._position_ids)
+    emb = model.get_input_embeddings(cases["text_short"].ids)
+    assert emb.position_ids is None
+    assert np.array(emb.rope_deltas).tolist() == [[0]]
+    assert (lm._rope_deltas, lm._position_ids) == before
+
+
+@pytest.mark.skipif(not has_batch_caches(), reason="this pin's mlx-lm has no batch caches")
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["same-cache", "host-installed-delta"])
+@pytest.mark.parametrize("name", ALL)
+def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name, rebuilt):
+    """Rapid-MLX: a request prefilled and decoded alone in a one-row batch cache, nothing
+    passed at decode. Its media lane restores caches and installs the request's delta on the
+    language model (``_media_mrope_install``): a cache that kept no delta of its own uses it."""
+    case = cases[name]
+    cache = one_row_batch_cache(model)
+    first = prefill_whole(model, case, cache)
+    if rebuilt:
+        forget_kept_delta(cache)
+        model.language_model._rope_deltas = mx.array([[case.delta]])
+    check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
+
+
+@pytest.mark.parametrize("style", ["neither", "rope_deltas"])
+def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
+    """Hosts serving concurrent streams on one event loop: a text request prefilled and decoded
+    between a picture request's steps must not change the picture's tokens (or the reverse)."""
+    picture, text = cases["img_448"], cases["text_long"]
+    caches = {c.name: make_cache(model) for c in (picture, text)}
+    rows: Dict[str, List[np.ndarray]] = {picture.name: [prefill_whole(model, picture, caches[picture.name])]}
+    rows[text.name] = [prefill_whole(model, text, caches[text.name])]
+    decode = DECODES[style]
+    for step in range(STEPS - 1):
+        for case in (picture, text):
+            out = decode(model, caches[case.name], case.greedy[step], case, step)
+            rows[case.name].append(last(out))
+    check(picture, rows[picture.name], f"interleaved ({style})")
+    check(text, rows[text.name], f"interleaved ({style})")
+
+
+def test_the_kept_delta_is_where_the_drivers_look(model):
+    assert vendored("language").STORED_DELTA == STORED_DELTA
+
+
+def test_vmlx_marker_is_declared(model):
+    """vMLX adds a request's own MRoPE delta to its decode positions only for language models
+    that declare this (vmlx_engine/mllm_batch_generator.py, _request_rope_delta_rows)."""
+    assert model.language_model.decode_positions_add_request_rope_delta is True
+
+
+# ------------------------------------------------------------------ processor attributes
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_ckpt_original):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(tiny_ckpt_original))
+
+
+@pytest.mark.parametrize("bounds", [(64 * 64, 128 * 128), (32 * 32, 96 * 96)])
+def test_assigned_pixel_bounds_take_effect(processor, tiny_ckpt_original, fixture_images, bounds):
+    """Rapid-MLX sets ``image_processor.min_pixels`` / ``max_pixels`` around each request; the
+    next call resizes exactly as a processor built with those bounds (tests/test_pixel_bounds.py
+    ties that one to transformers')."""
+    from transformers import AutoProcessor
+
+    low, high = bounds
+    image = fixture_images["synth_640x480.png"]
+    ip = processor.image_processor
+    saved = (ip.min_pixels, ip.max_pixels)
+    try:
+        ip.min_pixels, ip.max_pixels = low, high
+        got = ip(image)
+    finally:
+        ip.min_pixels, ip.max_pixels = saved
+    built = AutoProcessor.from_pretrained(str(tiny_ckpt_original), min_pixels=low, max_pixels=high).image_processor
+    want = built(image)
+    np.testing.assert_array_equal(np.asarray(got["image_grid_thw"]), np.asarray(want["image_grid_thw"]))
+    np.testing.assert_array_equal(np.asarray(got["pixel_values"]), np.asarray(want["pixel_values"]))
+    assert np.asarray(got["image_grid_thw"]).tolist() != np.asarray(ip(image)["image_grid_thw"]).tolist()
+
+
+def test_pixel_bounds_that_cross_are_refused_by_name(processor, fixture_images):
+    ip = processor.image_processor
+    saved = (ip.min_pixels, ip.max_pixels)
+    try:
+        ip.min_pixels = ip.max_pixels + 1
+        with pytest.raises(ValueError, match="min_pixels .* exceeds max_pixels"):
+            ip(fixture_images["synth_448x448.png"])
+        with pytest.raises(ValueError, match="min_pixels"):
+            ip.min_pixels = 0
+    finally:
+        ip.min_pixels, ip.max_pixels = saved
+
+
+# ------------------------------------------------------------------- vision-feature cache
+
+
+class TowerCount:
+    """Counts vision-tower runs of one model."""
+
+    def __init__(self, model, monkeypatch):
+        self.runs = 0
+        tower = model.vision_tower
+        original = type(tower).__call__
+
+        def counted(this, *args, **kwargs):
+            if this is tower:
+                self.runs += 1
+            return original(this, *args, **kwargs)
+
+        monkeypatch.setattr(type(tower), "__call__", counted)
+
+
+def vision_cache():
+    try:
+        from mlx_vlm.vision_cache import VisionFeatureCache
+    except ImportError:
+        pytest.skip("this pin has no mlx_vlm.vision_cache")
+    return VisionFeatureCache()
+
+
+def prefill_with(model, case: Case, **kwargs) -> np.ndarray:
+    cache = make_cache(model)
+    return last(model(case.ids, case.pixels, cache=cache, **case.extra, **kwargs))
+
+
+def test_vision_cache_miss_puts_and_hit_runs_no_tower(model, cases, monkeypatch):
+    """mlx-vlm's batched server, LM Studio's engine and Rapid-MLX pass ``vision_cache`` and
+    ``_image_key``: a miss runs the tower once and stores it, a hit runs none, same logits."""
+    store = vision_cache()
+    towers = TowerCount(model, monkeypatch)
+    case = cases["img_two"]
+    first = prefill_with(model, case, vision_cache=store, _image_key=["a.png", "b.png"])
+    assert towers.runs == 1 and len(store) == 1
+    again = prefill_with(model, case, vision_cache=store, _image_key=["a.png", "b.png"])
+    assert towers.runs == 1
+    np.testing.assert_array_equal(again, first)
+    assert float(np.abs(first - case.prefill_last).max()) < TOL
+
+
+def other_picture_same_grid(model, cases) -> mx.array:
+    """Features of img_two's first picture (synth_448x448_b): the same grid as img_448's
+    picture (1, 28, 28), other pixels."""
+    two = cases["img_two"]
+    t, h, w = (int(v) for v in np.asarray(two.extra["image_grid_thw"])[0])
+    assert [t, h, w] == np.asarray(cases["img_448"].extra["image_grid_thw"])[0].tolist()
+    return model.encode_image(two.pixels[: t * h * w], mx.array([[t, h, w]]))
+
+
+def test_vision_cache_never_serves_another_picture_under_the_same_key(model, cases, monkeypatch):
+    """A file changed at the same path: the key and the grid match, the pixels do not."""
+    store = vision_cache()
+    store.put("photo.png", other_picture_same_grid(model, cases))
+    towers = TowerCount(model, monkeypatch)
+    case = cases["img_448"]
+    got = prefill_with(model, case, vision_cache=store, _image_key="photo.png")
+    assert towers.runs == 1
+    assert float(np.abs(got - case.prefill_last).max()) < TOL
+    again = prefill_with(model, case, vision_cache=store, _image_key="photo.png")  # now its own
+    assert towers.runs == 1
+    np.testing.assert_array_equal(again, got)
+
+
+def test_replayed_features_of_other_pixels_are_not_used(model, cases):
+    """mlx-vlm's stream_generate caches ``encode_image`` by path and passes it back next to the
+    new pixels; features this model encoded from other pixels are re-encoded, not replayed."""
+    case = cases["img_448"]
+    got = prefill_with(model, case, cached_image_features=other_picture_same_grid(model, cases))
+    assert float(np.abs(got - case.prefill_last).max()) < TOL
+
+
+# ------------------------------------------------------- mlx-vlm's own generators, in turn
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_ckpt_original):
+    from mlx_vlm import load
+
+    return load(str(tiny_ckpt_original))
+
+
+def test_two_stream_generate_generators_advanced_in_turn(loaded, reference, fixture_images):
+    """Hosts that serve concurrent streams on one event loop advance one ``stream_generate``
+    generator per request in turn: a text request started in the middle of a picture's stream
+    must not change either stream's tokens."""
+    from mlx_vlm import stream_generate
+
+    model, processor = loaded
+    streams, got = {}, {}
+    for name in ("img_448", "text_long"):
+        meta = reference(name)["meta"]
+        images = [str(fixture_images[f]) for f in meta["images"]] or None
+        streams[name] = stream_generate(
+            model, processor, meta["prompt"], image=images, max_tokens=STEPS, temperature=0.0
+        )
+        got[name] = {}
+    live = list(streams)
+    while live:
+        for name in list(live):
+            result = next(streams[name], None)
+            if result is None:
+                live.remove(name)
+                continue
+            got[name].setdefault(int(result.generation_tokens), int(result.token))
+    eos = model.config.eos_token_id
+    for name in streams:
+        want = reference(name)["greedy_ids"].tolist()[:STEPS]
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        ids = [got[name][k] for k in sorted(got[name])]
+        assert ids[: len(want)] == want, f"{name}: {ids} != reference {want}"
