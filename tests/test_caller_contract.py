@@ -322,3 +322,12 @@ def test_two_stream_generate_generators_advanced_in_turn(loaded, reference, fixt
             want = want[: want.index(eos) + 1]
         ids = [got[name][k] for k in sorted(got[name])]
         assert ids[: len(want)] == want, f"{name}: {ids} != reference {want}"
+
+
+def test_vmlx_finds_a_full_attention_layer(model):
+    """vMLX reads per-row cache offsets at ``language_model.model.fa_idx`` (without it, every row
+    of a batch takes row 0's offset); it must name a full-attention layer."""
+    index = model.language_model.model.fa_idx
+    assert isinstance(index, int)
+    assert model.language_model.layers[index].layer_type == "full_attention"
+    assert all(layer.layer_type != "full_attention" for layer in model.language_model.layers[:index])
