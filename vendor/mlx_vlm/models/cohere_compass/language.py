@@ -13,7 +13,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import base as _pin_base
 from ..base import LanguageModelOutput
-from ..cache import KVCache, RotatingKVCache
+from ..cache import KVCache
+from ..cache import RotatingKVCache as _PinRotatingKVCache
 from . import cpu_lanes
 from .config import RopeSpec, TextConfig, grid_sequence
 
@@ -257,12 +258,13 @@ class CompassTextModel(nn.Module):
         return self.norm(h)
 
 
-class SlidingWindowCache(RotatingKVCache):
+class RotatingKVCache(_PinRotatingKVCache):
     """mlx-vlm's rotating cache of a sliding-window layer, kept in float when generate quantizes
     the KV cache (``kv_bits``): its memory is bounded by the window, and mlx-vlm has no quantized
-    rotating cache (its ``to_quantized`` raises). Full-attention layers' ``KVCache`` quantize."""
+    rotating cache (its ``to_quantized`` raises). Full-attention layers' ``KVCache`` quantize.
+    The pin's class name is kept: hosts key caches by it (oMLX's cache type registry)."""
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "SlidingWindowCache":
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
         return self
 
 
@@ -314,7 +316,7 @@ class LanguageModel(nn.Module):
 
     def make_cache(self) -> List[Any]:
         return [
-            SlidingWindowCache(max_size=self.config.sliding_window, keep=0)
+            RotatingKVCache(max_size=self.config.sliding_window, keep=0)
             if layer.layer_type == "sliding_attention"
             else KVCache()
             for layer in self.model.layers
