@@ -25,7 +25,7 @@ import contextlib
 import os
 import sys
 import threading
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -330,3 +330,31 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
                 )
             parts.append(blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=2))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def quantized_attention(q: mx.array, attend: Callable[..., mx.array], scale: float, mask=None) -> mx.array:
+    """``attend(q, scale=scale, mask=mask)`` over a quantized KV cache, arranged for the CPU.
+
+    ``attend`` is the pin's attention helper bound to the cache and its packed keys and values.
+    Off the CPU, and for short query runs, it is the plain call. On the CPU a long chunk (a
+    prefill after the cache was quantized) takes its queries in blocks of rows, as
+    :func:`attention` does, so the float32 scores the helper materialises stay near
+    ``_MAX_SCORE_BYTES``; rows are independent, so the blocks give the whole call's rows.
+    ``mask``: None or an array broadcastable to [B, Hq, L, S] (a string mask is aligned to the
+    last query and cannot be cut by rows).
+    """
+    length = q.shape[2]
+    if mx.default_device() != mx.cpu or length <= 32 or not isinstance(mask, mx.array):
+        return attend(q, scale=scale, mask=mask)
+    row_bytes = q.shape[0] * q.shape[1] * mask.shape[-1] * 4
+    rows = max(32, _MAX_SCORE_BYTES // row_bytes // 32 * 32)
+    if rows >= length:
+        return attend(q, scale=scale, mask=mask)
+    by_row = mask.ndim >= 2 and mask.shape[-2] != 1
+    blocks: List[mx.array] = []
+    for r in range(0, length, rows):
+        qb = q[:, :, r : r + rows]
+        if blocks:
+            qb = mx.depends([qb], [blocks[-1]])[0]  # one block's scores in flight at a time
+        blocks.append(attend(qb, scale=scale, mask=mask[..., r : r + rows, :] if by_row else mask))
+    return mx.concatenate(blocks, axis=2)

@@ -3,6 +3,7 @@ interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -10,8 +11,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .. import base as _pin_base
 from ..base import LanguageModelOutput
-from ..cache import KVCache, RotatingKVCache
+from ..cache import KVCache
+from ..cache import RotatingKVCache as _PinRotatingKVCache
 from . import cpu_lanes
 from .config import RopeSpec, TextConfig, grid_sequence
 
@@ -131,9 +134,28 @@ class Attention(nn.Module):
                 k = self._rotary.apply(k, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask = masks.get(L, k.shape[2], self.window)
-        out = cpu_lanes.attention(q, k, v, self.scale, mask)
+        if isinstance(k, mx.array):
+            out = cpu_lanes.attention(q, k, v, self.scale, masks.get(L, k.shape[2], self.window))
+        else:
+            # compass-compat: a quantized cache (generate's kv_bits) returns packed keys and
+            # values, which only the pin's attention helper reads; the cache counts the keys.
+            mask = masks.get(L, cache.offset, self.window)
+            attend = functools.partial(_pin_attention(), keys=k, values=v, cache=cache)
+            out = cpu_lanes.quantized_attention(q, attend, self.scale, mask)
         return cpu_lanes.linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _pin_attention():
+    """The pin's ``scaled_dot_product_attention(q, k, v, cache, scale, mask)``, which reads a
+    quantized cache's packed keys and values (uniform: mlx-vlm >= 0.4.4's models/base.py, or
+    mlx-lm's that 0.3.x imports there; TurboQuant where the pin ships it)."""
+    attend = getattr(_pin_base, "scaled_dot_product_attention", None)
+    if attend is None:
+        raise NotImplementedError(
+            "this mlx-vlm has no scaled_dot_product_attention in mlx_vlm.models.base, so cohere_compass "
+            "cannot attend over a quantized KV cache: run without kv_bits"
+        )
+    return attend
 
 
 class MaskBuilder:
@@ -234,6 +256,16 @@ class CompassTextModel(nn.Module):
             if i < count:
                 h = h + deepstack[:, :, i].astype(h.dtype)
         return self.norm(h)
+
+
+class RotatingKVCache(_PinRotatingKVCache):
+    """mlx-vlm's rotating cache of a sliding-window layer, kept in float when generate quantizes
+    the KV cache (``kv_bits``): its memory is bounded by the window, and mlx-vlm has no quantized
+    rotating cache (its ``to_quantized`` raises). Full-attention layers' ``KVCache`` quantize.
+    The pin's class name is kept: hosts key caches by it (oMLX's cache type registry)."""
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
+        return self
 
 
 class LanguageModel(nn.Module):

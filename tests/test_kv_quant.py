@@ -1,0 +1,208 @@
+"""KV-cache quantization through mlx-vlm's own generate (``kv_bits``, ``kv_quant_scheme``,
+``quantized_kv_start=0``: the quantized cache live from the first decoded token) and server.
+
+Sliding-window layers keep their float rotating cache (bounded by the window; mlx-vlm has no
+quantized rotating cache); full-attention layers take the pin's quantized cache and attend
+through the pin's ``models.base.scaled_dot_product_attention``. Expected answers are
+transformers' recorded greedy answers (tests/fixtures/toy_reference.json, float).
+
+What MLX cannot do: uniform KV quantization groups a key's ``head_dim`` in groups of 32, 64 or
+128; the default and tiny checkpoints have head_dim 16, so uniform ``kv_bits`` stop at
+``mx.quantize`` (a loud ``ValueError``, the same on mlx-vlm's own models of that head size).
+Uniform 8 and 4 bits run here on a tiny checkpoint with head_dim 32 (same tensors, two heads),
+whose random weights give near-tied logits, so only what must hold is asserted there: the run
+completes with finite log-probabilities. Figures against float: scripts/bench/kv_quant.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import pathlib
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from compass_data import tiny, toy
+from scripts._lib import mlx_vlm_run
+from tests.lib.vendored import vendored
+
+vendored()
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
+DEMO = ROOT / "compass_compat" / "assets" / "demo.png"
+TURBOQUANT = importlib.util.find_spec("mlx_vlm.turboquant") is not None
+needs_turboquant = pytest.mark.skipif(not TURBOQUANT, reason="this mlx-vlm has no TurboQuant (mlx_vlm.turboquant)")
+
+
+def _generate_step():
+    import importlib
+
+    return importlib.import_module("mlx_vlm.generate").generate_step
+
+
+def _stream(loaded, text: str, images: List[str], max_tokens: int, **kwargs) -> Dict[str, object]:
+    """Greedy ids and whether every step's log-probabilities were finite, via stream_generate."""
+    from mlx_vlm import stream_generate
+
+    prompt = mlx_vlm_run.chat_prompt(loaded, text, len(images))
+    ids: Dict[int, int] = {}
+    finite = True
+    for result in stream_generate(
+        *loaded, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0, **kwargs
+    ):
+        ids.setdefault(int(result.generation_tokens), int(result.token))
+        finite = finite and bool(mx.all(mx.isfinite(result.logprobs)).item())
+    return {"ids": [ids[k] for k in sorted(ids)], "finite": finite}
+
+
+def _answer(loaded, ids: List[int]) -> str:
+    return loaded[1].tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+@pytest.fixture(scope="module")
+def default_loaded():
+    return mlx_vlm_run.load(str(toy.ensure_default_checkpoint()))
+
+
+@pytest.fixture(scope="module")
+def head_dim_32(tmp_path_factory) -> pathlib.Path:
+    """The tiny checkpoint's tensors read as two heads of 32 (one KV head): MLX can group it."""
+    config = tiny.tiny_config()
+    config["text_config"].update(num_attention_heads=2, num_key_value_heads=1)
+    config["text_config"]["rope_parameters"]["sliding_attention"]["mrope_section"] = [8, 4, 4]
+    return tiny.write_checkpoint(tmp_path_factory.mktemp("head_dim_32"), config, tiny.tiny_weights())
+
+
+def test_sliding_layers_keep_float_cache_full_layers_quantize(default_loaded):
+    model = default_loaded[0]
+    caches = model.language_model.make_cache()
+    kinds = [layer.layer_type for layer in model.language_model.model.layers]
+    converted = [c.to_quantized(group_size=64, bits=8) for c in caches]
+    for kind, before, after in zip(kinds, caches, converted):
+        if kind == "sliding_attention":
+            assert after is before
+        else:
+            assert after is not before and after.bits == 8 and after.group_size == 64
+
+
+def test_quantized_attention_blocks_equal_whole_call(monkeypatch):
+    """On the CPU a long chunk over a quantized cache attends in blocks of query rows: the rows
+    are those of the whole call, bit for bit."""
+    from mlx_vlm.models import base
+
+    cpu_lanes = vendored("cpu_lanes")
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((1, 4, 96, 32)).astype(np.float32))
+    k, v = (mx.quantize(mx.array(rng.standard_normal((1, 2, 96, 32)).astype(np.float32)), 32, 8) for _ in range(2))
+    cache = type("Quantized", (), {"bits": 8, "group_size": 32})()
+    mask = mx.arange(96)[None] <= mx.arange(96)[:, None]
+
+    def attend(queries, scale, mask):
+        # A copy: mlx-vlm's quantized helper scales its queries in place (queries *= scale).
+        return base.scaled_dot_product_attention(queries + 0, k, v, cache=cache, scale=scale, mask=mask)
+
+    whole = attend(q, scale=0.25, mask=mask)
+    monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # 32-row blocks
+    blocked = cpu_lanes.quantized_attention(q, attend, 0.25, mask)
+    assert np.array_equal(np.array(blocked), np.array(whole))
+
+
+@needs_turboquant
+@pytest.mark.parametrize("bits", [3.5, 3])
+def test_turboquant_default_checkpoint_answers_as_reference(default_loaded, bits):
+    cases = [(c["prompt"], [], c["expected"]) for c in REFERENCE["text_only"]]
+    cases += [
+        (REFERENCE["demo"][k]["prompt"], [str(DEMO)], REFERENCE["demo"][k]["expected"])
+        for k in ("describe", "count", "colour")
+    ]
+    for text, images, expected in cases:
+        got = _stream(
+            default_loaded,
+            text,
+            images,
+            REFERENCE["max_new_tokens"],
+            kv_bits=bits,
+            kv_quant_scheme="turboquant",
+            quantized_kv_start=0,
+        )
+        assert got["finite"], text
+        assert _answer(default_loaded, got["ids"]) == expected, (text, bits)
+
+
+@pytest.mark.skipif(
+    "quantized_kv_start" not in inspect.signature(_generate_step()).parameters,
+    reason="this mlx-vlm's generate_step has no quantized_kv_start",
+)
+def test_uniform_on_head_dim_16_stops_at_mx_quantize(default_loaded):
+    """MLX groups keys in 32, 64 or 128 along head_dim; 16 cannot be grouped: a loud error from
+    the first conversion, never a silent float cache."""
+    model, processor = default_loaded
+    prompt = mlx_vlm_run.chat_prompt(default_loaded, "Say hello.", 0)
+    ids = mx.array([processor.tokenizer.encode(prompt, add_special_tokens=False)])
+    steps = _generate_step()(ids, model, None, None, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    with pytest.raises(ValueError, match="group size"):
+        next(steps)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", ["text", "picture", "chunked"])
+def test_uniform_head_dim_32_runs(head_dim_32, bits, case):
+    loaded = mlx_vlm_run.load(str(head_dim_32))
+    images = [str(DEMO)] if case == "picture" else []
+    extra = {"prefill_step_size": 7} if case == "chunked" else {}
+    got = _stream(
+        loaded,
+        "What can you do? Tell me about shapes.",
+        images,
+        16,
+        kv_bits=bits,
+        kv_group_size=32,
+        quantized_kv_start=0,
+        **extra,
+    )
+    assert got["finite"] and len(got["ids"]) == 16
+
+
+def _server_flags() -> List[str]:
+    from mlx_vlm import server
+
+    path = pathlib.Path(server.__file__)
+    files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
+    text = "".join(f.read_text() for f in files)
+    return [flag for flag in ("--kv-bits", "--kv-quant-scheme", "--quantized-kv-start") if f'"{flag}"' in text]
+
+
+@needs_turboquant
+def test_server_kv_bits_one_request(tmp_path):
+    from tests.lib.server import Server, reply_text
+
+    if len(_server_flags()) < 3:
+        pytest.skip(
+            f"this mlx-vlm's server has only {_server_flags()} of --kv-bits, --kv-quant-scheme, --quantized-kv-start"
+        )
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    server = Server(
+        toy.ensure_default_checkpoint(),
+        tmp_path / "server.log",
+        "--kv-bits",
+        "3.5",
+        "--kv-quant-scheme",
+        "turboquant",
+        "--quantized-kv-start",
+        "0",
+        env=env,
+    )
+    try:
+        server.wait_ready()
+        case = REFERENCE["text_only"][2]
+        status, body = server.post([{"type": "text", "text": case["prompt"]}], max_tokens=REFERENCE["max_new_tokens"])
+        assert status == 200, (body, server.tail())
+        assert reply_text(body).strip() == case["expected"], server.tail()
+    finally:
+        server.stop()
