@@ -367,8 +367,8 @@ class LanguageModel(nn.Module):
 
         mlx-vlm 0.4.4's ``BatchGenerator`` slices every prompt array to ``[:batch]`` on axis 0
         and 0.6.3's ``batch_generate`` gives each row ``[:1]`` of it, so ``[3, B, L]`` arrives
-        as ``[min(3, B), B, L]`` or ``[B, B, L]``: the temporal axis, the others lost (with
-        B = 3 the shape even looks right). The prompt's own ``[3, B, L]`` is still in
+        as ``[min(3, B), B, L]`` (its first axes) or ``[B, B, L]`` (the temporal axis B times;
+        with B = 3 the shape even looks right). The prompt's own ``[3, B, L]`` is still in
         ``_position_ids`` (get_input_embeddings left it there); it is used when its temporal
         axis is the one given, else a wrong-shaped array is refused.
         """
@@ -387,13 +387,15 @@ class LanguageModel(nn.Module):
             if position_ids.shape[-1] != full.shape[-1]:  # a host's per-chunk slice
                 window = full[..., columns : columns + position_ids.shape[-1]]
             if window.shape[-1] == position_ids.shape[-1]:
-                temporal = mx.broadcast_to(window[:1], position_ids.shape)
-                # B = 3: only an array that is the temporal axis three times over (and not
-                # the prompt's own, whose axes differ) was cut.
-                if mx.array_equal(position_ids, temporal).item() and not (
-                    position_ids.shape[0] == 3 and mx.array_equal(window, temporal).item()
-                ):
-                    return window
+                if position_ids.shape[0] != 3:
+                    if mx.array_equal(position_ids[0], window[0]).item():
+                        return window
+                else:
+                    # B = 3: only the temporal axis three times over (0.6.3), where the
+                    # prompt's own axes differ, was cut.
+                    temporal = mx.broadcast_to(window[:1], window.shape)
+                    if mx.array_equal(position_ids, temporal).item() and not mx.array_equal(window, temporal).item():
+                        return window
         if position_ids.shape[0] == 3:
             return position_ids
         raise ValueError(
