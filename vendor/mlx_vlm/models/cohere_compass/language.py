@@ -394,6 +394,48 @@ class LanguageModel(nn.Module):
             except AttributeError:  # a cache class with __slots__: the module state alone
                 pass
 
+    def _unslice_positions(self, position_ids: Optional[mx.array], B: int, L: int, columns: int) -> Optional[mx.array]:
+        """``[3, B, L]`` positions back from a batch host that cut their first axis as a batch axis.
+
+        mlx-vlm 0.4.4's ``BatchGenerator`` slices every prompt array to ``[:batch]`` on axis 0
+        and 0.6.3's ``batch_generate`` gives each row ``[:1]`` of it, so ``[3, B, L]`` arrives
+        as ``[min(3, B), B, L]`` (its first axes) or ``[B, B, L]`` (the temporal axis B times;
+        with B = 3 the shape even looks right). The prompt's own ``[3, B, L]`` is still in
+        ``_position_ids`` (get_input_embeddings left it there); it is used when its temporal
+        axis is the one given, else a wrong-shaped array is refused.
+        """
+        if position_ids is None or position_ids.ndim != 3:
+            return position_ids
+        if position_ids.shape[0] == 3 and B != 3:
+            return position_ids
+        full = self._position_ids
+        if (
+            full is not None
+            and full is not position_ids
+            and full.ndim == 3
+            and full.shape[:2] == (3, position_ids.shape[1])
+        ):
+            window = full
+            if position_ids.shape[-1] != full.shape[-1]:  # a host's per-chunk slice
+                window = full[..., columns : columns + position_ids.shape[-1]]
+            if window.shape[-1] == position_ids.shape[-1]:
+                if position_ids.shape[0] != 3:
+                    if mx.array_equal(position_ids[0], window[0]).item():
+                        return window
+                else:
+                    # B = 3: only the temporal axis three times over (0.6.3), where the
+                    # prompt's own axes differ, was cut.
+                    temporal = mx.broadcast_to(window[:1], window.shape)
+                    if mx.array_equal(position_ids, temporal).item() and not mx.array_equal(window, temporal).item():
+                        return window
+        if position_ids.shape[0] == 3:
+            return position_ids
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}, but MRoPE positions are [3, batch, length] "
+            f"(this batch: {B} rows of {L} tokens); pass the [3, B, L] array get_input_embeddings returned, "
+            "sliced on its last axis only"
+        )
+
     def _positions(
         self, B: int, L: int, offset: Any, position_ids: Optional[mx.array], delta: Optional[Any]
     ) -> Positions:
@@ -431,6 +473,7 @@ class LanguageModel(nn.Module):
         first = cache[0]
         batched = is_batch_cache(first)
         if batched:
+            absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L)
             # A copy: batch caches update ``offset`` in place (``offset += L``) in layer 0,
             # and every later layer must still rotate from where this chunk starts.
             offset = mx.array(first.offset)
@@ -442,6 +485,7 @@ class LanguageModel(nn.Module):
         if fresh:
             self._rope_deltas = None
 
+        position_ids = self._unslice_positions(position_ids, B, L, columns)
         if position_ids is not None and position_ids.shape[-1] != L:
             start = self._chunk_start("position_ids", position_ids, L, columns)
             position_ids = position_ids[..., start : start + L]
@@ -493,6 +537,36 @@ class LanguageModel(nn.Module):
 
 # Attribute of a request's first-layer cache holding the rope delta its tokens continue from.
 STORED_DELTA = "compass_rope_deltas"
+
+
+def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int) -> None:
+    """Tell empty batch caches about left padding that only the prompt's ``attention_mask`` shows.
+
+    mlx-vlm 0.4.x-0.6.x ``batch_generate`` tokenizes its prompts left-padded to one length and
+    hands the padded rows to its BatchGenerator as if they were real tokens (its caches get no
+    left padding), with the processor's ``attention_mask`` among the prompt arrays. Unmasked,
+    every row would attend to its padding, and decode positions (cache offset + the row's delta,
+    which counts real tokens) would run ahead by the padding. Declaring the padding on the caches
+    (mlx-lm's ``prepare(left_padding=)``) masks it from then on, also after rows are filtered, and
+    makes their offsets count real tokens. Padding the caches already know (mlx-vlm 0.7's
+    generator strips the processor's padding and pads rows itself) is not added twice.
+    """
+    first = cache[0]
+    if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 or tuple(attention_mask.shape) != (B, L):
+        return
+    if getattr(first, "keys", None) is not None or not hasattr(first, "left_padding"):
+        return  # padding can only be declared before the first tokens go in
+    keep = np.asarray(attention_mask).astype(bool)
+    lead = np.where(keep.any(axis=1), keep.argmax(axis=1), L)
+    extra = np.maximum(lead - np.asarray(first.left_padding).reshape(-1), 0)
+    if not extra.any():
+        return
+    for c in cache:
+        if hasattr(c, "prepare"):
+            c.prepare(left_padding=extra.tolist())
+        else:  # older mlx-lm batch caches: what prepare() does
+            c.left_padding = c.left_padding + mx.array(extra)
+            c.offset = c.offset - mx.array(extra)
 
 
 def _fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, visual: Optional[Any]) -> mx.array:
