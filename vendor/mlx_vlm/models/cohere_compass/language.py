@@ -406,8 +406,8 @@ class LanguageModel(nn.Module):
         """
         if position_ids is None or position_ids.ndim != 3:
             return position_ids
-        if position_ids.shape[0] == 3 and B != 3:
-            return position_ids
+        if position_ids.shape[0] == 3 and (B != 3 or L == 1):
+            return position_ids  # decode steps never need the (host-reading) check below
         full = self._position_ids
         if (
             full is not None
