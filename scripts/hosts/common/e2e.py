@@ -32,6 +32,7 @@ import contextlib
 import json
 import mimetypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -97,6 +98,7 @@ class Host:
     ready_check: Optional[Callable[[Any], Optional[str]]] = None  # JSON -> error or None
     stream_only: bool = False
     trimmed_ok: bool = False  # the host strips surrounding whitespace of non-streamed replies
+    log_notes: Optional[Callable[[str], List[str]]] = None  # server log segment -> notes per request
 
 
 @dataclass
@@ -182,6 +184,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def git_revision(folder: Path) -> str:
+    """`<short sha> <date>` of the checkout's HEAD, plus a mark when its package folders differ."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30).stdout
+
+    try:
+        head = git("log", "-1", "--format=%h %cs").strip()
+        dirty = git("status", "--porcelain", "--", "compass_compat", "compass_data", "vendor").strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + uncommitted changes" if dirty else "")
 
 
 def versions(names: List[str]) -> Dict[str, str]:
@@ -400,9 +416,11 @@ def post_chat(base_url: str, body: Dict[str, Any], headers: Dict[str, str], time
 
 
 def server_errors(segment: str) -> List[str]:
-    """Lines of the server log that report an error (first ones, for the notes)."""
-    keys = ("ERROR", "Traceback", "Error:", "CRITICAL")
-    return [ln.strip()[:300] for ln in segment.splitlines() if any(k in ln for k in keys)][:3]
+    """Error lines of the server log, exception lines ("AttributeError: ...") first."""
+    lines = [ln.strip() for ln in segment.splitlines()]
+    raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+    logged = [ln for ln in lines if any(k in ln for k in ("ERROR", "CRITICAL", "Traceback"))]
+    return [ln[:300] for ln in raised + logged][:3]
 
 
 # --------------------------------------------------------------------------- probe
@@ -506,8 +524,10 @@ def run_phase(
     penv["PYTHONPATH"] = os.pathsep.join([*filter(None, [penv.get("PYTHONPATH")]), str(PROBE_DIR)])
     argv = host.command(model_dir, port) + phase.args
     opt_in = " ".join(f"{k}={penv[k]}" for k in (AUTOPATCH, FORCE) if penv.get(k))
-    extra_env = " ".join(f"{k}={v}" for k, v in {**host.env, **phase.env}.items())
-    command = " ".join(filter(None, [opt_in, extra_env, *argv]))
+    # A throw-away key is still not worth printing; paths relative to the checkout.
+    shown = {k: ("<random>" if k.endswith("_KEY") else v) for k, v in {**host.env, **phase.env}.items()}
+    extra_env = " ".join(f"{k}={v}" for k, v in shown.items())
+    command = " ".join(filter(None, [opt_in, extra_env, *argv])).replace(str(ROOT) + "/", "")
     log(host.name, f"phase {phase.name}: {command}")
     server = Server(argv, penv, out / f"serve-{phase.name}.log", out)
     base_url = f"http://127.0.0.1:{port}"
@@ -539,6 +559,8 @@ def run_phase(
             r.prompt_tokens_host, r.seconds = reply.get("prompt_tokens"), round(reply["seconds"], 1)
             if reply.get("error"):
                 r.error = (r.error + "; " if r.error else "") + reply["error"]
+            if host.log_notes:
+                r.notes.extend(host.log_notes(segment))
             errs = server_errors(segment)
             if errs and (r.error or r.got != r.expected):
                 r.notes.append(f"server log: {errs[0]}")
@@ -621,7 +643,11 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     env = source_env(source, {FORCE: "1"} if force else {})
     vendor_dir = vendor_root().resolve()
     log(host.name, "versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
-    log(host.name, f"compass_compat from {Path(compass_compat.__file__).parent}; vendored tree {vendor_dir}")
+    revision = git_revision(Path(compass_compat.__file__).resolve().parent.parent)
+    log(
+        host.name,
+        f"compass_compat from {Path(compass_compat.__file__).parent} ({revision}); vendored tree {vendor_dir}",
+    )
     log(host.name, f"mlx-vlm ships cohere_compass: {force} -> {FORCE}={'1' if force else 'unset'}")
     phases = [p for p in host.phases if not args.phase or p.name in args.phase]
     model_dir = prepare_model_dir(out)
@@ -665,6 +691,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         "versions": vers,
         "forced": force,
         "compass_compat": str(Path(compass_compat.__file__).parent),
+        "revision": revision,
         "max_tokens": args.max_tokens,
         "seconds": seconds,
         "phases": phase_info,
@@ -673,7 +700,8 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         "summary": summary,
     }
     (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = [f"{host.label}: {summary} ({seconds} s)", ""]
+    md = [f"{host.label}: {summary} ({seconds} s); compass-compat {revision}", ""]
+    md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items())]
     md += [f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}" for n, i in phase_info.items()]
     (out / "table.md").write_text("\n".join(md) + "\n\n" + markdown_table(rows), encoding="utf-8")
     print()

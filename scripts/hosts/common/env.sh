@@ -69,3 +69,24 @@ build_host_env() {
   _stamp > "$stamp"
   report_env
 }
+
+# Fail unless every module imports by name in the environment and the named executables exist.
+#   require_host MODULE ... [-- EXECUTABLE ...]
+require_host() {
+  local mods=() exes=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do mods+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  exes=("$@")
+  "$ENV_DIR/bin/python" - "$HOST" "${mods[@]}" <<'PY'
+import importlib.util, sys
+host, mods = sys.argv[1], sys.argv[2:]
+missing = [m for m in mods if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"[{host}-env] error: not importable: {', '.join(missing)}")
+PY
+  [ $? -eq 0 ] || exit 1
+  local exe
+  for exe in "${exes[@]}"; do
+    [ -x "$ENV_DIR/bin/$exe" ] || { echo "[$HOST-env] error: no $exe executable in $ENV_DIR/bin" >&2; exit 1; }
+  done
+}

@@ -17,6 +17,7 @@ repeated whole. Output: build/hosts/lmstudio/{results.json,table.md,serve-*.log}
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -55,6 +56,12 @@ def body(b: Dict[str, Any], case: Case) -> Dict[str, Any]:
     return dict(b, top_k=0)  # required by its schema; 0 = off (temperature 0 is argmax anyway)
 
 
+def cache_notes(segment: str) -> List[str]:
+    """What the engine's prompt cache restored for the request (its coordinator's INFO lines)."""
+    found = re.findall(r"Prompt cache restore: cached_tokens=(\d+) uncached_tokens=(\d+)", segment)
+    return [f"prompt cache: {c} of {int(c) + int(u)} tokens restored" for c, u in found]
+
+
 HOST = Host(
     name="lmstudio",
     label="LM Studio's engine (mlx-engine 08f0c07)",
@@ -66,6 +73,7 @@ HOST = Host(
     env={"MLX_ENGINE_API_KEY": KEY},
     body=body,
     stream_only=True,
+    log_notes=cache_notes,
     phases=[Phase("default", standard_cases() + restored_prefix_cases())],
 )
 

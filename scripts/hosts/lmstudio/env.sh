@@ -49,15 +49,8 @@ host_install() {
 }
 
 host_check() {
-  "$ENV_DIR/bin/python" - <<'PY'
-import importlib.util, sys
-import torch
-if torch.version.cuda is not None:
-    sys.exit(f"[lmstudio-env] error: torch {torch.__version__} is a CUDA build; the engine's env uses the CPU one")
-for mod in ("mlx_engine.server", "mlx_vlm", "mlx_lm", "outlines"):
-    if importlib.util.find_spec(mod) is None:
-        sys.exit(f"[lmstudio-env] error: {mod} is not importable")
-PY
+  require_host mlx_engine.server mlx_vlm mlx_lm outlines torch
+  "$ENV_DIR/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda and f'[lmstudio-env] error: torch {torch.__version__} is a CUDA build; the engine env uses the CPU one')"
 }
 
 build_host_env

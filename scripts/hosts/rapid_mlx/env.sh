@@ -21,13 +21,7 @@ host_install() {
 }
 
 host_check() {
-  "$ENV_DIR/bin/python" - <<'PY'
-import importlib.util, sys
-for mod in ("rapid_mlx", "mlx_vlm", "mlx_lm", "torch"):
-    if importlib.util.find_spec(mod) is None:
-        sys.exit(f"[rapid_mlx-env] error: {mod} is not importable")
-PY
-  [ -x "$ENV_DIR/bin/rapid-mlx" ] || { echo "[rapid_mlx-env] error: no rapid-mlx executable" >&2; exit 1; }
+  require_host rapid_mlx mlx_vlm mlx_lm torch -- rapid-mlx
 }
 
 build_host_env

@@ -24,13 +24,7 @@ host_install() {
 }
 
 host_check() {
-  "$ENV_DIR/bin/python" - <<'PY'
-import importlib.util, sys
-for mod in ("vmlx_engine", "mlx_vlm", "mlx_lm", "torch"):
-    if importlib.util.find_spec(mod) is None:
-        sys.exit(f"[vmlx-env] error: {mod} is not importable")
-PY
-  [ -x "$ENV_DIR/bin/vmlx" ] || { echo "[vmlx-env] error: no vmlx executable" >&2; exit 1; }
+  require_host vmlx_engine mlx_vlm mlx_lm torch -- vmlx
 }
 
 build_host_env
