@@ -91,7 +91,8 @@ class Host:
     distributions: List[str]  # reported versions
     command: Callable[[Path, int], List[str]]  # (model dir, port) -> argv
     ready_path: str  # GET path that answers 200 once the model is loaded
-    phases: List[Phase]
+    # Built after --source is on sys.path: the request set names files of the package it tests.
+    phases: Callable[[], List[Phase]]
     headers: Dict[str, str] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)
     body: Optional[Callable[[Dict[str, Any], Case], Dict[str, Any]]] = None  # host tweaks
@@ -267,13 +268,17 @@ def source_env(source: Optional[Path], extra: Dict[str, str]) -> Dict[str, str]:
 def expected_text(
     model_dir: Path, case: Case, max_tokens: int, env: Dict[str, str]
 ) -> Tuple[Optional[str], Optional[str]]:
-    """(text, error) from one `python -m compass_compat generate` process."""
+    """(text, error) from one `python -m compass_compat generate` process.
+
+    It runs in the checkpoint's folder: `python -m` puts the working folder first on sys.path,
+    and the checkout's root there would shadow a --source checkout.
+    """
     argv = [sys.executable, "-m", "compass_compat", "generate", "--model", str(model_dir), "--no-verbose"]
     argv += ["--temperature", "0", "--max-tokens", str(max_tokens)]
     argv += ["--image", *case.images] if case.images else ["--no-image"]
     argv += ["--prompt", case.text]
     try:
-        proc = subprocess.run(argv, capture_output=True, env=env, timeout=300, cwd=str(ROOT))
+        proc = subprocess.run(argv, capture_output=True, env=env, timeout=300, cwd=str(model_dir.parent))
     except subprocess.TimeoutExpired:
         return None, "generate timed out after 300 s"
     if proc.returncode != 0:
@@ -427,7 +432,7 @@ def server_errors(segment: str) -> List[str]:
 def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict[str, Any]]]:
     """(ok, one-line verdict, records): is the vendored package the live one in the host?"""
     records = []
-    for path in sorted(probe_dir.glob("probe-*.json")):
+    for path in sorted(p for p in probe_dir.glob("probe-*.json") if not p.name.endswith("-exit.json")):
         with contextlib.suppress(ValueError, OSError):
             records.append(json.loads(path.read_text(encoding="utf-8")))
     if not records:
@@ -446,6 +451,18 @@ def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict
         return False, "NOT the vendored package: " + "; ".join(bad), records
     pids = ", ".join(str(r["pid"]) for r in records)
     return True, f"vendored package live in host pid {pids} ({records[0].get('info', {}).get('reason')})", records
+
+
+def vision_caches(probe_dir: Path) -> str:
+    """The entries of every mlx-vlm VisionFeatureCache the host processes held at exit ("" if none)."""
+    parts = []
+    for path in sorted(probe_dir.glob("probe-*-exit.json")):
+        with contextlib.suppress(ValueError, OSError):
+            record = json.loads(path.read_text(encoding="utf-8"))
+            sizes = record.get("vision_feature_cache_entries") or []
+            if sizes:
+                parts.append(f"pid {record['pid']}: {len(sizes)} VisionFeatureCache, entries {sizes}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- table
@@ -605,6 +622,10 @@ def run_phase(
     ok, verdict, records = read_probes(probe_dir, vendor_dir)
     phase_info.update(probe_ok=ok, probe=verdict, probe_records=records)
     log(host.name, f"probe ({phase.name}): {verdict}")
+    caches = vision_caches(probe_dir)
+    if caches:
+        phase_info["vision_cache"] = caches
+        log(host.name, f"vision cache ({phase.name}): {caches}")
     if not ok:
         for r in mine:
             r.notes.append("probe: " + verdict)
@@ -649,7 +670,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         f"compass_compat from {Path(compass_compat.__file__).parent} ({revision}); vendored tree {vendor_dir}",
     )
     log(host.name, f"mlx-vlm ships cohere_compass: {force} -> {FORCE}={'1' if force else 'unset'}")
-    phases = [p for p in host.phases if not args.phase or p.name in args.phase]
+    phases = [p for p in host.phases() if not args.phase or p.name in args.phase]
     model_dir = prepare_model_dir(out)
     log(host.name, f"checkpoint {model_dir}")
 
@@ -702,7 +723,10 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     md = [f"{host.label}: {summary} ({seconds} s); compass-compat {revision}", ""]
     md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items())]
-    md += [f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}" for n, i in phase_info.items()]
+    for n, i in phase_info.items():
+        md.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
+        if i.get("vision_cache"):
+            md.append(f"  - at exit: {i['vision_cache']}")
     (out / "table.md").write_text("\n".join(md) + "\n\n" + markdown_table(rows), encoding="utf-8")
     print()
     log(host.name, f"{summary} in {seconds} s; details {out / 'results.json'}")

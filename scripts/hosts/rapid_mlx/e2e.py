@@ -55,7 +55,7 @@ HOST = Host(
     ready_path="/healthz",
     ready_check=lambda r: None if r.get("ready") and r.get("model_loaded") else f"healthz says {r}",
     env={"DO_NOT_TRACK": "1"},  # no telemetry attempts
-    phases=[
+    phases=lambda: [
         Phase("default", cases(), note="Rapid-MLX's defaults"),
         Phase("lane", cases(), args=LANE, note="one request at a time"),
     ],

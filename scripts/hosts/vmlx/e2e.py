@@ -47,7 +47,7 @@ HOST = Host(
     ready_path="/v1/models",
     ready_check=listed,
     env={"VMLX_GPU_KEEPALIVE": "0"},
-    phases=[
+    phases=lambda: [
         Phase("default", standard_cases(), note="vMLX's defaults"),
         Phase("batch4", standard_cases(), args=["--max-num-seqs", "4"], note="rows decoded together"),
     ],

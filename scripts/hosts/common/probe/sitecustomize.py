@@ -6,8 +6,10 @@ does nothing unless COMPASS_HOST_PROBE_DIR names a folder. Then a daemon thread 
 the host itself has imported ``mlx_vlm.models.cohere_compass`` (it never imports mlx-vlm or the
 model itself, so the host's import order and threads stay the host's) and writes
 ``probe-<pid>.json`` there: which file that package was loaded from and
-``compass_compat.implementation_info()``, asked inside the host's process. The host's code is
-not touched.
+``compass_compat.implementation_info()``, asked inside the host's process. At a clean exit it
+also writes ``probe-<pid>-exit.json``: the entry count of every mlx-vlm ``VisionFeatureCache``
+alive in the process (hosts pass one to the model as ``vision_cache``; an empty one after
+repeated pictures means the model ignored it). The host's code is not touched.
 """
 
 import os
@@ -51,8 +53,25 @@ def _watch(out_dir):
     )
 
 
+def _at_exit(out_dir):
+    import gc
+    import json
+    import sys
+
+    if "mlx_vlm.vision_cache" not in sys.modules:
+        return
+    kind = getattr(sys.modules["mlx_vlm.vision_cache"], "VisionFeatureCache", None)
+    if kind is None:
+        return
+    sizes = [len(obj) for obj in gc.get_objects() if isinstance(obj, kind)]
+    with open(os.path.join(out_dir, f"probe-{os.getpid()}-exit.json"), "w", encoding="utf-8") as f:
+        json.dump({"pid": os.getpid(), "vision_feature_cache_entries": sizes}, f)
+
+
 if _DIR:
+    import atexit
     import threading
 
     os.makedirs(_DIR, exist_ok=True)
+    atexit.register(_at_exit, _DIR)
     threading.Thread(target=_watch, args=(_DIR,), name="compass-host-probe", daemon=True).start()
