@@ -34,11 +34,27 @@ print(f"[{host}-env] " + "  ".join(f"{n} {v(n)}" for n in names))
 PY
 }
 
+# The editable install copies the opt-in .pth file(s) into site-packages: when the checkout's
+# differ (a changed startup hook), install compass-compat again; the host's packages stay.
+_sync_startup_hook() {
+  local site pth stale=0
+  site="$("$ENV_DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  for pth in "$root"/compass_compat/*.pth; do
+    [ -e "$pth" ] || continue
+    cmp -s "$pth" "$site/$(basename "$pth")" || stale=1
+  done
+  if [ "$stale" -eq 1 ]; then
+    echo "[$HOST-env] the checkout's startup hook changed: reinstalling compass-compat (editable, --no-deps)"
+    "$ENV_DIR/bin/python" -m pip install -q --no-deps -e "$root"
+  fi
+}
+
 build_host_env() {
   CONSTRAINTS="$root/scripts/hosts/$HOST/constraints.txt"
   local stamp="$ENV_DIR/.compass-compat-stamp"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(_stamp)" ]; then
     echo "[$HOST-env] up to date ($ENV_DIR)"
+    _sync_startup_hook
     report_env
     return 0
   fi
