@@ -539,7 +539,7 @@ def run_phase(
     penv = dict(env, **host.env, **phase.env, COMPASS_HOST_PROBE_DIR=str(probe_dir))
     penv[AUTOPATCH] = "1"
     penv["PYTHONPATH"] = os.pathsep.join([*filter(None, [penv.get("PYTHONPATH")]), str(PROBE_DIR)])
-    argv = host.command(model_dir, port) + phase.args
+    argv = host.command(model_dir, port) + phase.args + args.server_args.split()
     opt_in = " ".join(f"{k}={penv[k]}" for k in (AUTOPATCH, FORCE) if penv.get(k))
     # A throw-away key is still not worth printing; paths relative to the checkout.
     shown = {k: ("<random>" if k.endswith("_KEY") else v) for k, v in {**host.env, **phase.env}.items()}
@@ -641,6 +641,9 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--phase", action="append", help="run only these phases (repeatable)")
     ap.add_argument("--source", type=Path, help="checkout whose compass_compat/vendor to run (first on PYTHONPATH)")
     ap.add_argument("--width", type=int, default=40, help="table column width for texts")
+    ap.add_argument(
+        "--server-args", default="", help="extra server arguments for every phase, one string (e.g. a host flag to try)"
+    )
     args = ap.parse_args(argv)
 
     source = args.source.resolve() if args.source else None
