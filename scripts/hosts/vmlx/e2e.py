@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""End to end: vMLX 1.6.81 (`vmlx serve`) serving compass-compat's default checkpoint through the
+opt-in hook, every answer checked against `python -m compass_compat generate` for the same messages.
+
+Run it with the environment's interpreter (scripts/hosts/vmlx/env.sh builds it):
+
+    .venvs/vmlx-1.6.81/bin/python scripts/hosts/vmlx/e2e.py [--source DIR]
+
+mlx-vlm 0.7.10 ships its own cohere_compass, so the server runs with
+COMPASS_COMPAT_FORCE_VENDORED=1 as well as COMPASS_COMPAT_AUTOPATCH=1. It also runs with
+VMLX_GPU_KEEPALIVE=0: vMLX starts a "GPU keepalive" thread on its first request that makes an
+`mx.gpu` stream, which a CPU-only mlx does not have (a host defect; the variable is vMLX's own
+switch, docs/hosts.md). The request set is the standard one (scripts/hosts/common/e2e.py); every
+picture answer goes through vMLX's own decode (mllm_batch_generator.py), which passes absolute
+positions (cache offset + arange) and adds a request's MRoPE delta only for language models
+that declare `decode_positions_add_request_rope_delta = True`. Two server starts: vMLX's
+defaults (continuous batching, one sequence at a time) and `--max-num-seqs 4` (rows decoded
+together). Output: build/hosts/vmlx/{results.json,table.md,serve-*.log}.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from scripts.hosts.common.e2e import MODEL_ID, Host, Phase, main, standard_cases  # noqa: E402
+
+
+def command(model_dir: Path, port: int) -> List[str]:
+    exe = str(Path(sys.executable).with_name("vmlx"))
+    return [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_ID]
+
+
+def listed(reply) -> str | None:
+    ids = [m.get("id") for m in (reply.get("data") or [])]
+    return None if MODEL_ID in ids else f"/v1/models lists {ids}"
+
+
+HOST = Host(
+    name="vmlx",
+    label="vMLX 1.6.81",
+    distributions=["vmlx", "mlx", "mlx-vlm", "mlx-lm", "transformers", "torch"],
+    command=command,
+    ready_path="/v1/models",
+    ready_check=listed,
+    env={"VMLX_GPU_KEEPALIVE": "0"},
+    phases=lambda: [
+        Phase("default", standard_cases(), note="vMLX's defaults"),
+        Phase("batch4", standard_cases(), args=["--max-num-seqs", "4"], note="rows decoded together"),
+    ],
+)
+
+if __name__ == "__main__":
+    sys.exit(main(HOST))

@@ -1,0 +1,21 @@
+"""The real host, end to end: scripts/hosts/lmstudio/e2e.py serving the default checkpoint.
+
+Runs only in the host's environment (scripts/hosts/lmstudio/env.sh; scripts/hosts/lmstudio/run.sh builds it
+and runs this test there, .ci/hosts runs that on a schedule); every other environment skips it.
+Extra arguments for the script, e.g. `--source /path/to/checkout`, come from $HOST_E2E_ARGS.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.hosts.common.pytest_run import host_installed, run_host_e2e
+
+pytestmark = pytest.mark.skipif(
+    not host_installed("lmstudio"),
+    reason="lmstudio is not installed in this environment; scripts/hosts/lmstudio/run.sh builds its environment and runs this test there",
+)
+
+
+def test_lmstudio_answers_equal_compass_compat_generate():
+    run_host_e2e("lmstudio")
