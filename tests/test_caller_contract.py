@@ -10,7 +10,7 @@ drivers in tests/test_control_contract.py.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import mlx.core as mx
 import numpy as np
@@ -23,19 +23,16 @@ from tests.lib.contract import (
     SUFFIX_MODES,
     TOL,
     Case,
-    check,
-    decode_plain,
-    forget_kept_delta,
     has_batch_caches,
+    item_interleaved,
+    item_lm_chunks,
+    item_model_chunks,
+    item_one_row_batch,
+    item_restored,
+    item_whole,
     last,
     make_cache,
-    one_row_batch_cache,
-    prefill_lm_chunks,
-    prefill_model_chunks,
-    prefill_whole,
-    prefix_then_suffix,
     reference_case,
-    run_decode,
 )
 from tests.lib.vendored import vendored
 
@@ -63,44 +60,32 @@ def cases(reference) -> Dict[str, Case]:
 @pytest.mark.parametrize("name", ALL)
 def test_whole_prefill_then_decode(model, cases, name, style):
     """Decode with no positions, with the request's delta, with absolute positions, as vMLX."""
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_whole(model, case, cache), DECODES[style]), f"decode {style}")
+    item_whole(model, cases[name], style)
 
 
 @pytest.mark.parametrize("name", TEXT)
 def test_text_prefill_in_chunks_through_model_call(model, cases, name):
     """Rapid-MLX: each chunk continues from the cache offset (it used to restart at 0)."""
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_model_chunks(model, case, cache), decode_plain), "chunks")
+    item_model_chunks(model, cases[name])
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
+    item_lm_chunks(model, cases[name])
 
 
 @pytest.mark.parametrize("mode", SUFFIX_MODES)
 @pytest.mark.parametrize("name", TEXT)
 def test_text_suffix_after_a_restored_prefix(model, cases, name, mode):
     """LM Studio: the suffix's own ``get_input_embeddings`` output, passed on unchanged."""
-    case = cases[name]
-    cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.length // 2, mode)
-    check(case, run_decode(model, cache, case, first, decode_plain), "restored prefix")
+    item_restored(model, cases[name], cases[name].length // 2, mode)
 
 
 @pytest.mark.parametrize("mode", ["model-call", "primed"])
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
 def test_text_suffix_after_a_restored_image_prefix(model, cases, name, mode):
     """The suffix follows the delta kept with the cache: the image's, not zero."""
-    case = cases[name]
-    cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.vision_end + 2, mode)
-    check(case, run_decode(model, cache, case, first, decode_plain), "restored image prefix")
+    item_restored(model, cases[name], cases[name].vision_end + 2, mode)
 
 
 def test_text_embeddings_carry_no_positions_and_leave_no_state(model, cases):
@@ -123,30 +108,14 @@ def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name,
     """Rapid-MLX: a request prefilled and decoded alone in a one-row batch cache, nothing
     passed at decode. Its media lane restores caches and installs the request's delta on the
     language model (``_media_mrope_install``): a cache that kept no delta of its own uses it."""
-    case = cases[name]
-    cache = one_row_batch_cache(model)
-    first = prefill_whole(model, case, cache)
-    if rebuilt:
-        forget_kept_delta(cache)
-        model.language_model._rope_deltas = mx.array([[case.delta]])
-    check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
+    item_one_row_batch(model, cases[name], installed_delta=rebuilt)
 
 
 @pytest.mark.parametrize("style", ["neither", "rope_deltas"])
 def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
     """Hosts serving concurrent streams on one event loop: a text request prefilled and decoded
     between a picture request's steps must not change the picture's tokens (or the reverse)."""
-    picture, text = cases["img_448"], cases["text_long"]
-    caches = {c.name: make_cache(model) for c in (picture, text)}
-    rows: Dict[str, List[np.ndarray]] = {picture.name: [prefill_whole(model, picture, caches[picture.name])]}
-    rows[text.name] = [prefill_whole(model, text, caches[text.name])]
-    decode = DECODES[style]
-    for step in range(STEPS - 1):
-        for case in (picture, text):
-            out = decode(model, caches[case.name], case.greedy[step], case, step)
-            rows[case.name].append(last(out))
-    check(picture, rows[picture.name], f"interleaved ({style})")
-    check(text, rows[text.name], f"interleaved ({style})")
+    item_interleaved(model, cases["img_448"], cases["text_long"], style)
 
 
 def test_the_kept_delta_is_where_the_drivers_look(model):

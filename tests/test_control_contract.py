@@ -10,28 +10,22 @@ that fixes its model turns them into failures to update docs/model-contract.md.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
-import numpy as np
 import pytest
 
 from tests.lib.contract import (
     DECODES,
-    STEPS,
     SUFFIX_MODES,
     Case,
-    check,
     control_case,
-    decode_plain,
     has_batch_caches,
-    last,
-    make_cache,
-    one_row_batch_cache,
-    prefill_lm_chunks,
-    prefill_model_chunks,
-    prefill_whole,
-    prefix_then_suffix,
-    run_decode,
+    item_interleaved,
+    item_lm_chunks,
+    item_model_chunks,
+    item_one_row_batch,
+    item_restored,
+    item_whole,
 )
 
 ALL = ["text_short", "text_long", "image", "two_images"]
@@ -136,60 +130,37 @@ def cases(model) -> Dict[str, Case]:
 @pytest.mark.parametrize("style", sorted(DECODES))
 @pytest.mark.parametrize("name", ALL)
 def test_whole_prefill_then_decode(model, cases, name, style):
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_whole(model, case, cache), DECODES[style]), f"decode {style}")
+    item_whole(model, cases[name], style)
 
 
 @pytest.mark.parametrize("name", TEXT)
 def test_text_prefill_in_chunks_through_model_call(model, cases, name):
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_model_chunks(model, case, cache), decode_plain), "chunks")
+    item_model_chunks(model, cases[name])
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_prefill_in_chunks_with_the_whole_prompts_kwargs(model, cases, name):
-    case = cases[name]
-    cache = make_cache(model)
-    check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
+    item_lm_chunks(model, cases[name])
 
 
 @pytest.mark.parametrize("mode", SUFFIX_MODES)
 @pytest.mark.parametrize("name", TEXT)
 def test_text_suffix_after_a_restored_prefix(model, cases, name, mode):
-    case = cases[name]
-    cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.length // 2, mode)
-    check(case, run_decode(model, cache, case, first, decode_plain), "restored prefix")
+    item_restored(model, cases[name], cases[name].length // 2, mode)
 
 
 @pytest.mark.parametrize("mode", ["model-call", "primed"])
 @pytest.mark.parametrize("name", ["image", "two_images"])
 def test_text_suffix_after_a_restored_image_prefix(model, cases, name, mode):
-    case = cases[name]
-    cache = make_cache(model)
-    first = prefix_then_suffix(model, case, cache, case.vision_end + 2, mode)
-    check(case, run_decode(model, cache, case, first, decode_plain), "restored image prefix")
+    item_restored(model, cases[name], cases[name].vision_end + 2, mode)
 
 
 @pytest.mark.skipif(not has_batch_caches(), reason="this pin's mlx-lm has no batch caches")
 @pytest.mark.parametrize("name", ALL)
 def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name):
-    case = cases[name]
-    cache = one_row_batch_cache(model)
-    first = prefill_whole(model, case, cache)
-    check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
+    item_one_row_batch(model, cases[name])
 
 
 @pytest.mark.parametrize("style", ["neither", "rope_deltas"])
 def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
-    picture, text = cases["image"], cases["text_long"]
-    caches = {c.name: make_cache(model) for c in (picture, text)}
-    rows: Dict[str, List[np.ndarray]] = {c.name: [prefill_whole(model, c, caches[c.name])] for c in (picture, text)}
-    decode = DECODES[style]
-    for step in range(STEPS - 1):
-        for case in (picture, text):
-            rows[case.name].append(last(decode(model, caches[case.name], case.greedy[step], case, step)))
-    check(picture, rows[picture.name], f"interleaved ({style})")
-    check(text, rows[text.name], f"interleaved ({style})")
+    item_interleaved(model, cases["image"], cases["text_long"], style)

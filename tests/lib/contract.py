@@ -226,3 +226,52 @@ def control_case(model, name: str) -> Case:
 def forget_kept_delta(cache: List[Any]) -> None:
     """As a cache rebuilt from its state: no delta kept with it."""
     vars(cache[0]).pop(STORED_DELTA, None)
+
+
+# --------------------------------------------------------------------------------- the items
+# Each drives one contract item on one model and checks it against that case's reference.
+
+
+def item_whole(model, case: Case, style: str) -> None:
+    """Whole prefill through ``Model.__call__``, then decode in one of :data:`DECODES`."""
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_whole(model, case, cache), DECODES[style]), f"decode {style}")
+
+
+def item_model_chunks(model, case: Case) -> None:
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_model_chunks(model, case, cache), decode_plain), "chunks")
+
+
+def item_lm_chunks(model, case: Case) -> None:
+    cache = make_cache(model)
+    check(case, run_decode(model, cache, case, prefill_lm_chunks(model, case, cache), decode_plain), "lm chunks")
+
+
+def item_restored(model, case: Case, split: int, mode: str) -> None:
+    cache = make_cache(model)
+    first = prefix_then_suffix(model, case, cache, split, mode)
+    check(case, run_decode(model, cache, case, first, decode_plain), f"restored prefix ({mode})")
+
+
+def item_one_row_batch(model, case: Case, installed_delta: bool = False) -> None:
+    """Prefill and decode in a one-row batch cache, nothing passed at decode; with
+    ``installed_delta`` the cache keeps no delta and the host installs the request's on the
+    language model (Rapid-MLX's media lane)."""
+    cache = one_row_batch_cache(model)
+    first = prefill_whole(model, case, cache)
+    if installed_delta:
+        forget_kept_delta(cache)
+        model.language_model._rope_deltas = mx.array([[case.delta]])
+    check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
+
+
+def item_interleaved(model, picture: Case, text: Case, style: str) -> None:
+    """Two requests on their own caches, prefilled in turn, then decoded a step each in turn."""
+    caches = {c.name: make_cache(model) for c in (picture, text)}
+    rows = {c.name: [prefill_whole(model, c, caches[c.name])] for c in (picture, text)}
+    for step in range(STEPS - 1):
+        for case in (picture, text):
+            rows[case.name].append(last(DECODES[style](model, caches[case.name], case.greedy[step], case, step)))
+    check(picture, rows[picture.name], f"interleaved ({style})")
+    check(text, rows[text.name], f"interleaved ({style})")
