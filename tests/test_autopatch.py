@@ -14,18 +14,20 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 
 import compass_compat
 from compass_compat import startup
 from scripts._lib import hook_venv
+from tests.lib.cli_run import greedy_cli_output
 from tests.lib.vendored import upstream_ships
 
 UPSTREAM_SHIPS = upstream_ships()
 HEAVY = ("compass_compat", "mlx", "mlx_vlm", "transformers", "numpy", "PIL", "torch")
 HOOK = "compass_compat_autopatch"
+IMAGE = Path(__file__).resolve().parent / "fixtures" / "images" / "synth_320x256.png"
 # Which implementation `import compass_compat` makes live here (COMPASS_COMPAT_FORCE_VENDORED
 # as set for this run); the hook must end in the same state.
 EXPECTED = compass_compat.implementation_info().implementation
@@ -66,7 +68,9 @@ PROBE = textwrap.dedent(
         import mlx_vlm
         out["loader"] = type(mlx_vlm.__loader__).__name__
         out["spec_loader"] = type(mlx_vlm.__spec__.loader).__name__
-        if mode == "transformers first":
+        shim = sys.modules.get("compass_compat")
+        vendored = shim is not None and shim.implementation_info().implementation == "vendored"
+        if mode == "transformers first" and vendored:  # upstream's: transformers' own, which needs torchvision
             out["processor_file"] = sys.modules[type(AutoProcessor.from_pretrained(ckpt)).__module__].__file__
         import mlx_vlm.utils
         try:
@@ -111,6 +115,20 @@ PROBE = textwrap.dedent(
         out["after_import"] = state()
         models = sys.modules.get("mlx_vlm.models")
         out["models_path"] = list(models.__path__) if models else None
+    elif mode == "generate on a worker":
+        # A host that imports mlx-vlm lazily on its worker (vMLX) and generates there.
+        def generate():
+            import mlx_vlm.generate
+            out["after_import"] = state()
+            sys.argv = ["mlx_vlm.generate", "--model", ckpt, "--image", sys.argv[4], "--prompt", "Describe the image.",
+                        "--max-tokens", "8", "--temperature", "0"]
+            sys.modules["mlx_vlm.generate"].main()  # the package's attribute is the function
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        worker.join()
+        out["loaded_patch_on"] = executed("/compass_compat/_patch.py")
+        out["worker"] = worker.ident
     elif mode == "install twice":
         import compass_compat_autopatch as hook
         hook.install()
@@ -118,7 +136,7 @@ PROBE = textwrap.dedent(
         exec(open(sys.argv[3]).read().splitlines()[-1])  # the .pth line again (a second site dir)
         out["after_import"] = state()
     print(json.dumps(out), flush=True)
-    if mode in ("thread", "two threads"):
+    if mode in ("thread", "two threads", "generate on a worker"):
         # mlx-vlm imported on a non-main thread aborts at interpreter exit on 0.6.12 and 0.7.10 with
         # or without compass-compat ("terminate called without an active exception"): skip teardown.
         import os
@@ -145,9 +163,13 @@ def probe_cwd(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("probe")  # outside the repo: -c puts the cwd on sys.path
 
 
+def probe_argv(python: Path, mode: str, ckpt: Path) -> List[str]:
+    return [str(python), "-c", PROBE, mode, str(ckpt), startup.PTH_SOURCE.as_posix(), str(IMAGE)]
+
+
 def probe(python: Path, cwd: Path, mode: str, ckpt: Path, env: Dict[str, str]) -> dict:
     proc = subprocess.run(
-        [str(python), "-c", PROBE, mode, str(ckpt), startup.PTH_SOURCE.as_posix()],
+        probe_argv(python, mode, ckpt),
         capture_output=True,
         text=True,
         env=env,
@@ -170,10 +192,11 @@ def probes(hooked_python, probe_cwd, tiny_ckpt_original) -> Dict[str, dict]:
         "two threads": ("two threads", env_for("1")),
         "failing": ("failing", env_for("1", COMPASS_COMPAT_FORCE_VENDORED="maybe")),
         "not opted in": ("mlx_vlm", env_for(None)),
+        "generate on a worker": ("generate on a worker", env_for("1")),
     }
     procs = {
         name: subprocess.Popen(
-            [str(hooked_python), "-c", PROBE, mode, str(tiny_ckpt_original), startup.PTH_SOURCE.as_posix()],
+            probe_argv(hooked_python, mode, tiny_ckpt_original),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -192,6 +215,7 @@ def probes(hooked_python, probe_cwd, tiny_ckpt_original) -> Dict[str, dict]:
             pytest.fail(f"{name}: no result within 300 s (deadlocked import?)")
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{out}\n{err[-4000:]}"
         done[name] = json.loads(out.strip().splitlines()[-1])
+        done[name]["stdout"] = out
     return done
 
 
@@ -257,9 +281,10 @@ def test_importing_mlx_vlm_applies_the_patch(probes, mode):
 def test_transformers_imported_first_still_gets_the_vendored_processor(probes):
     """The processor hook wraps AutoProcessor.from_pretrained on the class, so a host that took
     AutoProcessor from transformers before mlx-vlm was imported gets the vendored processor."""
+    if EXPECTED != "vendored":
+        pytest.skip("upstream's cohere_compass is live: the processor hook is not installed (runs forced)")
     processor_file = probes["transformers first"]["processor_file"]
-    vendored = "/vendor/mlx_vlm/models/cohere_compass/" in processor_file
-    assert vendored is (EXPECTED == "vendored"), processor_file
+    assert processor_file.startswith(str(compass_compat.vendor_root() / "mlx_vlm" / "models" / "cohere_compass"))
 
 
 def test_the_patch_runs_on_the_thread_that_imports_mlx_vlm(probes):
@@ -307,3 +332,12 @@ def test_not_opted_in_importing_mlx_vlm_loads_nothing_of_ours(probes):
     assert state["cohere_compass_in_MODEL_CONFIG"] is UPSTREAM_SHIPS
     if not UPSTREAM_SHIPS:
         assert "Model type cohere_compass not supported" in probes["not opted in"]["load_error"]
+
+
+def test_a_host_that_imports_mlx_vlm_on_its_worker_generates_there(probes, tiny_ckpt_original):
+    """As vMLX does: the worker imports mlx-vlm (the patch runs there) and generates the CLI's text."""
+    out = probes["generate on a worker"]
+    assert out["loaded_patch_on"] == [out["worker"]]
+    assert out["after_import"]["cohere_compass_in_MODEL_CONFIG"]
+    expected = greedy_cli_output(tiny_ckpt_original, "Describe the image.", 8, IMAGE).strip()
+    assert expected and expected in out["stdout"], f"expected {expected!r} in:\n{out['stdout']}"
