@@ -296,3 +296,15 @@ def test_fit_training_batch_fits_only_the_trainers_shapes():
         _fit([[0, 1, 1]], [[5, p, p, p, 0]])  # an added column is an image token
     with pytest.raises(ValueError, match="one row per prompt"):
         _fit([[0, 1, 1, 0], [0, 1, 1, 0]], [[5, p, p, 0]])
+
+
+def test_a_compiled_step_is_refused_by_name(tiny_ckpt_original):
+    """mlx-vlm's ``--compile`` (0.7.x) and its ORPO step (0.6.x) run the model under ``mx.compile``;
+    the model reads token ids on the host, so it says so instead of MLX's bare eval error."""
+    from mlx_vlm.utils import load_model
+
+    model = load_model(tiny_ckpt_original)
+    ids = mx.array([[5, 6, 7, 8]])
+    step = mx.compile(lambda tokens: model(tokens, pixel_values=mx.zeros((4, 1536)), image_grid_thw=[[1, 2, 2]]).logits)
+    with pytest.raises(ValueError, match="cannot run under mx.compile"):
+        step(ids)

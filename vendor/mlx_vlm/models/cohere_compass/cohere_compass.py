@@ -352,7 +352,16 @@ class Model(nn.Module):
         cache=None,
         **kwargs,
     ):
-        emb = self.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+        try:
+            emb = self.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+        except ValueError as error:
+            if "function transformations" not in str(error):
+                raise
+            raise ValueError(
+                "cohere_compass cannot run under mx.compile (or another function transformation): it "
+                "places image features and MRoPE positions from the token ids on the host. Train without "
+                "--compile (python -m mlx_vlm.train), and without ORPO on mlx-vlm 0.6.x, whose step is compiled"
+            ) from error
         # A caller's positions and delta win (a prompt's later chunk, a host's own bookkeeping);
         # else an image prompt's own; a text chunk has none and follows the cache it continues.
         position_ids = kwargs.pop("position_ids", None)
