@@ -6,10 +6,14 @@ does nothing unless COMPASS_HOST_PROBE_DIR names a folder. Then a daemon thread 
 the host itself has imported ``mlx_vlm.models.cohere_compass`` (it never imports mlx-vlm or the
 model itself, so the host's import order and threads stay the host's) and writes
 ``probe-<pid>.json`` there: which file that package was loaded from and
-``compass_compat.implementation_info()``, asked inside the host's process. At a clean exit it
-also writes ``probe-<pid>-exit.json``: the entry count of every mlx-vlm ``VisionFeatureCache``
-alive in the process (hosts pass one to the model as ``vision_cache``; an empty one after
-repeated pictures means the model ignored it). The host's code is not touched.
+``compass_compat.implementation_info()``, asked inside the host's process. Once the package is
+live it also counts, by wrapping the classes' methods (the host's code is not touched): every
+``VisionFeatureCache.get`` (hit or miss) and ``put``, with the entry count after each put, and
+every run of the vision tower (``Model.encode_image``, with the pictures' grids). At a clean
+exit it writes ``probe-<pid>-exit.json`` (and after every counted call ``probe-<pid>-vision.json``,
+for hosts that end without running atexit): those counts and the entry count of every mlx-vlm
+``VisionFeatureCache`` still alive. Counts, not the exit size, are the evidence: a host may
+clear its cache on shutdown (LM Studio's engine does).
 """
 
 import os
@@ -41,6 +45,10 @@ def _watch(out_dir):
         }
     except Exception as err:  # reported, never raised into the host
         record["error"] = f"{type(err).__name__}: {err}"
+    try:
+        _count_vision_work(sys.modules[_PACKAGE])
+    except Exception as err:  # reported, never raised into the host
+        record["counting_error"] = f"{type(err).__name__}: {err}"
     path = os.path.join(out_dir, f"probe-{pid}.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
@@ -53,19 +61,79 @@ def _watch(out_dir):
     )
 
 
+_COUNTS = {"cache_get_hit": 0, "cache_get_miss": 0, "cache_put": 0, "entries_after_put": [], "tower_runs": []}
+
+
+def _dump_counts():
+    """probe-<pid>-vision.json after every counted call: hosts that end without atexit still leave it."""
+    import json
+
+    path = os.path.join(_DIR, f"probe-{os.getpid()}-vision.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"pid": os.getpid(), **_COUNTS}, f)
+    os.replace(path + ".tmp", path)
+
+
+def _count_vision_work(package):
+    """Wrap VisionFeatureCache.get/put and the live Model.encode_image to count calls."""
+    import sys
+    import threading
+    import time
+
+    def grids(value):
+        try:
+            rows = value.tolist() if hasattr(value, "tolist") else value
+            return [list(map(int, row)) for row in rows] if rows is not None else None
+        except Exception:
+            return "?"
+
+    model_cls = package.Model
+    encode = model_cls.encode_image
+
+    def counted_encode(self, pixel_values, image_grid_thw=None, *args, **kwargs):
+        _COUNTS["tower_runs"].append(grids(image_grid_thw))
+        _dump_counts()
+        return encode(self, pixel_values, image_grid_thw, *args, **kwargs)
+
+    model_cls.encode_image = counted_encode
+
+    def wrap_cache():
+        while "mlx_vlm.vision_cache" not in sys.modules:  # some hosts import it later, or never
+            time.sleep(0.5)
+        kind = getattr(sys.modules["mlx_vlm.vision_cache"], "VisionFeatureCache", None)
+        if kind is None:
+            return
+        get, put = kind.get, kind.put
+
+        def counted_get(self, key):
+            hit = get(self, key)
+            _COUNTS["cache_get_hit" if hit is not None else "cache_get_miss"] += 1
+            _dump_counts()
+            return hit
+
+        def counted_put(self, key, features):
+            put(self, key, features)
+            _COUNTS["cache_put"] += 1
+            _COUNTS["entries_after_put"].append(len(self))
+            _dump_counts()
+
+        kind.get, kind.put = counted_get, counted_put
+
+    threading.Thread(target=wrap_cache, name="compass-host-probe-cache", daemon=True).start()
+
+
 def _at_exit(out_dir):
     import gc
     import json
     import sys
 
-    if "mlx_vlm.vision_cache" not in sys.modules:
+    if _PACKAGE not in sys.modules:
         return
-    kind = getattr(sys.modules["mlx_vlm.vision_cache"], "VisionFeatureCache", None)
-    if kind is None:
-        return
-    sizes = [len(obj) for obj in gc.get_objects() if isinstance(obj, kind)]
+    module = sys.modules.get("mlx_vlm.vision_cache")
+    kind = getattr(module, "VisionFeatureCache", None)
+    sizes = [len(obj) for obj in gc.get_objects() if isinstance(obj, kind)] if kind is not None else []
     with open(os.path.join(out_dir, f"probe-{os.getpid()}-exit.json"), "w", encoding="utf-8") as f:
-        json.dump({"pid": os.getpid(), "vision_feature_cache_entries": sizes}, f)
+        json.dump({"pid": os.getpid(), "vision_feature_cache_entries": sizes, **_COUNTS}, f)
 
 
 if _DIR:
