@@ -1,15 +1,19 @@
 """Processes we do not control: plain ``python -m mlx_vlm.generate``, with and without opting in.
 
-The installed package ships ``compass_compat_autopatch.pth`` (site-packages). Opted in
-(``COMPASS_COMPAT_AUTOPATCH=1``, or ``python -m compass_compat run -- ...``) the host process
-is patched at startup and generates; not opted in it behaves exactly as an interpreter that
-never saw the package: same output, same failure, no ``compass_compat`` in ``sys.modules``,
-no ``cohere_compass`` added to ``MODEL_CONFIG``, and nothing imported at startup.
+The installed package ships ``compass_compat_autopatch.pth`` and the ``compass_compat_autopatch``
+module (site-packages). Opted in (``COMPASS_COMPAT_AUTOPATCH=1``, or ``python -m compass_compat
+run -- ...``) the host process is patched when it imports mlx-vlm and generates; not opted in it
+behaves exactly as an interpreter that never saw the package: same output, same failure, no
+``compass_compat`` in ``sys.modules``, no ``cohere_compass`` added to ``MODEL_CONFIG``, and
+nothing imported at startup. tests/test_autopatch.py covers the hook itself.
 
-"Without the package" is a real interpreter: a venv that sees this pin env's site-packages
-through a plain path line, so none of the pin env's ``.pth`` files (our hook, the editable
-install) run in it. The heavy subprocesses start together in one fixture (each imports
-mlx-vlm, which takes seconds) and are awaited once.
+The host processes run in a venv with this tree's hook installed as the wheel installs it
+(``scripts/_lib/hook_venv.py``: the pin env's installed copies may be an older tree's); the
+first two tests check the pin env's own installation. "Without the package" is a real
+interpreter: a venv that sees this pin env's site-packages through a plain path line, so none
+of the pin env's ``.pth`` files (our hook, the editable install) run in it. The heavy
+subprocesses start together in one fixture (each imports mlx-vlm, which takes seconds) and are
+awaited once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 from typing import Dict, List
@@ -28,6 +31,7 @@ import pytest
 
 import compass_compat
 from compass_compat import startup
+from scripts._lib import hook_venv
 from tests.lib.cli_run import greedy_cli_output
 from tests.lib.vendored import upstream_ships
 
@@ -73,7 +77,7 @@ STATE_PROBE = textwrap.dedent(
         error = None
     except Exception as exc:  # reported: the test compares it with mlx-vlm's own message
         error = f"{type(exc).__name__}: {exc}"
-    shim = sys.modules.get("compass_compat")  # never imported here: only the startup hook can
+    shim = sys.modules.get("compass_compat")  # never imported here: only the autopatch hook can
     print(json.dumps({"compass_compat": shim is not None,
                       "cohere_compass_in_MODEL_CONFIG": "cohere_compass" in MODEL_CONFIG, "load_error": error,
                       "implementation": shim.implementation_info().implementation if shim else None}))
@@ -84,37 +88,34 @@ STATE_PROBE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def baseline_python(tmp_path_factory) -> Path:
     """An interpreter with this env's packages but none of its .pth hooks (no compass-compat)."""
-    venv = tmp_path_factory.mktemp("baseline") / "env"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(purelib) / "_pin_env_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
+    return hook_venv.build(Path(sys.executable), tmp_path_factory.mktemp("baseline") / "env", hook=False)
+
+
+@pytest.fixture(scope="module")
+def hooked_python(tmp_path_factory) -> Path:
+    """An interpreter with this env's packages and this tree's code and hook, installed as the wheel does."""
+    return hook_venv.build(Path(sys.executable), tmp_path_factory.mktemp("hooked") / "env")
 
 
 @pytest.fixture(scope="module")
 def runs(
-    baseline_python, tiny_ckpt_original, fixture_images, tmp_path_factory
+    baseline_python, hooked_python, tiny_ckpt_original, fixture_images, tmp_path_factory
 ) -> Dict[str, subprocess.CompletedProcess]:
     """Every heavy subprocess of this module, started together, awaited together."""
     image = fixture_images["synth_320x256.png"]
     cwd = tmp_path_factory.mktemp("hosts")  # outside the repo: `python -m` puts the cwd on sys.path
     gen = generate_argv(tiny_ckpt_original, image)
+    host = str(hooked_python)
     plan = {
-        "not opted in": ([sys.executable, *gen], host_env()),
+        "not opted in": ([host, *gen], host_env()),
         "without the package": ([str(baseline_python), *gen], host_env()),
-        "state, not opted in": ([sys.executable, "-c", STATE_PROBE, str(tiny_ckpt_original)], host_env()),
-        "opted in": ([sys.executable, *gen], host_env(**{startup.ENV: "1"})),
+        "state, not opted in": ([host, "-c", STATE_PROBE, str(tiny_ckpt_original)], host_env()),
+        "opted in": ([host, *gen], host_env(**{startup.ENV: "1"})),
         "state, opted in (TRUE)": (
-            [sys.executable, "-c", STATE_PROBE, str(tiny_ckpt_original)],
+            [host, "-c", STATE_PROBE, str(tiny_ckpt_original)],
             host_env(**{startup.ENV: "TRUE"}),
         ),
-        "run --": ([sys.executable, "-m", "compass_compat", "run", "--", sys.executable, *gen], host_env()),
+        "run --": ([host, "-m", "compass_compat", "run", "--", host, *gen], host_env()),
     }
     procs = {
         name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(cwd))
@@ -151,30 +152,37 @@ def describe(proc: subprocess.CompletedProcess) -> str:
 
 def test_the_startup_hook_is_installed_and_is_the_shipped_file():
     hooks = startup.installed_hooks()
-    assert hooks, (
-        f"{startup.PTH_NAME} is not in this env's site-packages; reinstall the package "
-        "(pip install --no-deps -e .) so the host tests mean something"
-    )
+    reinstall = "reinstall the package (pip install --no-deps -e .) so the hook in this env is this tree's"
+    assert hooks, f"{startup.PTH_NAME} is not in this env's site-packages; {reinstall}"
     for hook in hooks:
-        assert hook.read_text() == startup.PTH_SOURCE.read_text()
+        assert hook.read_text() == startup.PTH_SOURCE.read_text(), f"{hook} is an older copy; {reinstall}"
+        module = hook.parent / startup.HOOK_SOURCE.name
+        assert module.is_file(), f"{module} is missing; {reinstall}"
+        assert module.read_text() == startup.HOOK_SOURCE.read_text(), f"{module} is an older copy; {reinstall}"
 
 
 def test_the_wheel_puts_the_hook_into_site_packages():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     repo = Path(__file__).resolve().parents[1]
     build = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
-    source = startup.PTH_SOURCE.relative_to(repo).as_posix()
-    assert build["targets"]["wheel"]["force-include"][source] == startup.PTH_NAME
+    force_include = build["targets"]["wheel"]["force-include"]
+    shipped = {
+        startup.PTH_SOURCE.relative_to(repo).as_posix(): startup.PTH_NAME,
+        startup.HOOK_SOURCE.relative_to(repo).as_posix(): f"{startup.HOOK_MODULE}.py",
+    }
+    assert {source: force_include.get(source) for source in shipped} == shipped
+    # The hook venv these tests run hosts in lays the files out the same way.
+    assert hook_venv.SHIPPED == shipped
 
 
-def test_not_opted_in_costs_no_import(tmp_path):
+def test_not_opted_in_costs_no_import(hooked_python, tmp_path):
     """At startup without the opt-in nothing of ours (nor mlx) is imported, whatever the value."""
     probe = "import json, sys; print(json.dumps(sorted(sys.modules)))"
     seen = {}
     for value in (None, "", "0", "off", "false", "no", "maybe"):
         env = host_env() if value is None else host_env(**{startup.ENV: value})
         out = subprocess.run(
-            [sys.executable, "-c", probe],
+            [str(hooked_python), "-c", probe],
             capture_output=True,
             text=True,
             env=env,
@@ -218,7 +226,7 @@ def test_not_opted_in_leaves_modules_and_model_config_alone(runs):
 # ---------------------------------------------------------------------- opted in
 
 
-def test_opted_in_patches_at_startup(runs):
+def test_opted_in_patches_when_mlx_vlm_is_imported(runs):
     proc = runs["state, opted in (TRUE)"]
     assert proc.returncode == 0, describe(proc)
     state = json.loads(proc.stdout.strip().splitlines()[-1])
