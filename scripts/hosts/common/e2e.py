@@ -432,7 +432,9 @@ def server_errors(segment: str) -> List[str]:
 def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict[str, Any]]]:
     """(ok, one-line verdict, records): is the vendored package the live one in the host?"""
     records = []
-    for path in sorted(p for p in probe_dir.glob("probe-*.json") if not p.name.endswith("-exit.json")):
+    for path in sorted(
+        p for p in probe_dir.glob("probe-*.json") if not p.name.endswith(("-exit.json", "-vision.json"))
+    ):
         with contextlib.suppress(ValueError, OSError):
             records.append(json.loads(path.read_text(encoding="utf-8")))
     if not records:
@@ -454,14 +456,35 @@ def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict
 
 
 def vision_caches(probe_dir: Path) -> str:
-    """The entries of every mlx-vlm VisionFeatureCache the host processes held at exit ("" if none)."""
+    """What the host processes' vision work came to ("" if none): tower runs, cache traffic, entries at exit.
+
+    Tower runs are calls of the live Model.encode_image (grids of the pictures encoded); cache
+    traffic is every mlx-vlm VisionFeatureCache.get (hit / miss) and put, counted by the probe.
+    """
     parts = []
-    for path in sorted(probe_dir.glob("probe-*-exit.json")):
-        with contextlib.suppress(ValueError, OSError):
-            record = json.loads(path.read_text(encoding="utf-8"))
-            sizes = record.get("vision_feature_cache_entries") or []
-            if sizes:
-                parts.append(f"pid {record['pid']}: {len(sizes)} VisionFeatureCache, entries {sizes}")
+    records: Dict[str, Dict[str, Any]] = {}
+    for kind in ("vision", "exit"):  # the exit record (when written) is the later one
+        for path in sorted(probe_dir.glob(f"probe-*-{kind}.json")):
+            with contextlib.suppress(ValueError, OSError):
+                r = json.loads(path.read_text(encoding="utf-8"))
+                records[str(r["pid"])] = {**records.get(str(r["pid"]), {}), **r}
+    for r in records.values():
+        runs = r.get("tower_runs") or []
+        gets = r.get("cache_get_hit", 0) + r.get("cache_get_miss", 0)
+        sizes = r.get("vision_feature_cache_entries") or []
+        if not (runs or gets or sizes):
+            continue
+        at_exit = (
+            f"at exit {len(sizes)} caches, entries {sizes}" if "vision_feature_cache_entries" in r else "no exit record"
+        )
+        part = f"pid {r['pid']}: tower ran {len(runs)} times"
+        if runs:
+            part += " (grids " + ", ".join(json.dumps(g) for g in runs) + ")"
+        part += (
+            f"; VisionFeatureCache get {gets} ({r.get('cache_get_hit', 0)} hits), put {r.get('cache_put', 0)}"
+            f" (entries after each put {r.get('entries_after_put') or []}); {at_exit}"
+        )
+        parts.append(part)
     return "; ".join(parts)
 
 
@@ -729,7 +752,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     for n, i in phase_info.items():
         md.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
         if i.get("vision_cache"):
-            md.append(f"  - at exit: {i['vision_cache']}")
+            md.append(f"  - vision work: {i['vision_cache']}")
     (out / "table.md").write_text("\n".join(md) + "\n\n" + markdown_table(rows), encoding="utf-8")
     print()
     log(host.name, f"{summary} in {seconds} s; details {out / 'results.json'}")
