@@ -2,13 +2,14 @@
 
 ``compass_compat_autopatch.pth`` (site-packages) imports this module at interpreter start only
 when ``COMPASS_COMPAT_AUTOPATCH`` is 1/true/yes/on, and calls :func:`install`. That puts one
-finder at the front of ``sys.meta_path`` and imports nothing else: this module uses ``sys`` and
-``_thread`` only, both loaded before any ``.pth`` runs (hence no ``typing``: annotations are plain
-classes). It is a top-level module (the wheel
-places it next to the ``.pth``) because importing anything inside ``compass_compat`` runs
-``compass_compat/__init__.py``, which imports mlx-vlm and applies the patch.
+finder at the front of ``sys.meta_path`` and imports nothing else: this module uses ``_thread``,
+``os`` and ``sys`` only, all loaded before any ``.pth`` runs (so no ``typing``: annotations are
+plain classes). It is a top-level module (the wheel places it next to the ``.pth``) because
+importing anything inside ``compass_compat`` runs ``compass_compat/__init__.py``, which imports
+mlx-vlm and applies the patch.
 
-The finder answers for ``mlx_vlm`` alone (``import mlx_vlm.utils`` imports ``mlx_vlm`` first).
+The finder answers for ``mlx_vlm`` alone (``import mlx_vlm.utils`` imports ``mlx_vlm`` first),
+and for ``mlx_lm`` too when ``COMPASS_COMPAT_MLX_LM`` opts in to the mlx-lm registration.
 It takes the spec the rest of ``sys.meta_path`` finds, so mlx-vlm imports exactly as without
 it, and runs ``import compass_compat`` (which applies the patch) right after mlx-vlm's package
 module has executed: on the thread that imports mlx-vlm, inside that import, so every other
@@ -24,19 +25,30 @@ itself.
 """
 
 import _thread
+import os  # already imported by the site module that runs .pth files
 import sys
 
 ENV = "COMPASS_COMPAT_AUTOPATCH"
 TRUE_VALUES = ("1", "true", "yes", "on")  # the .pth line repeats these: it must not import us to test them
-TARGET = "mlx_vlm"
+MLX_LM_ENV = "COMPASS_COMPAT_MLX_LM"  # apply_patch also registers with mlx-lm: mlx_lm alone triggers too
 SHIM = "compass_compat"
 TAG = "__compass_compat__"
 
-_local = _thread._local()  # .busy: this thread is asking the other finders (no recursion)
+# Per thread: .busy while this finder asks the others (no recursion); .depth, how many of the
+# targets this thread is executing (mlx-vlm imports mlx-lm: patch once the outermost is done).
+_local = _thread._local()
+
+
+def targets(environ: object = None) -> tuple:
+    """The packages whose first import applies the patch: ``mlx_vlm``, and ``mlx_lm`` with
+    ``COMPASS_COMPAT_MLX_LM`` opted in (a host that loads through mlx-lm never imports mlx-vlm)."""
+    environ = os.environ if environ is None else environ
+    mlx_lm = environ.get(MLX_LM_ENV, "").strip().lower() in TRUE_VALUES
+    return ("mlx_vlm", "mlx_lm") if mlx_lm else ("mlx_vlm",)
 
 
 class _PatchingLoader:
-    """mlx-vlm's own loader, plus the patch once its package module has run."""
+    """The package's own loader, plus the patch once its package module has run."""
 
     def __init__(self, loader: object) -> None:
         self.loader = loader
@@ -51,20 +63,28 @@ class _PatchingLoader:
         return None if create is None else create(spec)
 
     def exec_module(self, module: object) -> None:
-        # Leave no trace of this wrapper on mlx_vlm: its __loader__ and __spec__ are mlx-vlm's.
+        # Leave no trace of this wrapper on the module: its __loader__ and __spec__ are its own.
         module.__loader__ = self.loader
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        _patch()
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _local.depth -= 1
+        if _local.depth == 0:  # not inside another target's import (it patches when it is done)
+            _patch(module.__name__)
 
 
 class AutopatchFinder:
-    """``sys.meta_path`` entry that patches mlx-vlm as soon as it is imported."""
+    """``sys.meta_path`` entry that patches mlx-vlm as soon as it (or a target) is imported."""
+
+    def __init__(self, names: tuple = ("mlx_vlm",)) -> None:
+        self.names = names
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
-        """The spec the other finders give ``mlx_vlm``, its loader wrapped; None for any other name."""
-        if fullname != TARGET or getattr(_local, "busy", False):
+        """The spec the other finders give a target, its loader wrapped; None for any other name."""
+        if fullname not in self.names or getattr(_local, "busy", False):
             return None
         _local.busy = True
         try:
@@ -77,7 +97,6 @@ class AutopatchFinder:
 
 
 setattr(AutopatchFinder, TAG, True)
-FINDER = AutopatchFinder()
 
 
 def _spec_from_the_others(fullname: str, path: object, target: object) -> object:
@@ -91,13 +110,14 @@ def _spec_from_the_others(fullname: str, path: object, target: object) -> object
     return None
 
 
-def _patch() -> None:
-    """Apply the patch now (mlx-vlm's package module has run), then stand down."""
+def _patch(name: str) -> None:
+    """Apply the patch now (``name``'s package module has run), then stand down."""
     if SHIM in sys.modules:
-        # compass_compat is being (or was) imported: its own import applies the patch. This is the
-        # host's `import compass_compat` reaching mlx-vlm from apply_patch, which holds the patch
-        # lock on this thread: calling apply_patch here would deadlock.
-        uninstall()
+        # compass_compat is being (or was) imported, and that import applies the patch: this is
+        # apply_patch itself importing a target (for this hook, or for a host that imports
+        # compass_compat), holding the patch lock on this thread, so applying here would deadlock.
+        # The finder stays until this hook's own patch succeeds; after a host's own import it
+        # stays inert (its targets are imported, so it is not asked again).
         return
     try:
         import compass_compat  # compass_compat/__init__.py applies the patch
@@ -106,26 +126,28 @@ def _patch() -> None:
     except BaseException as exc:
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(
-                f"compass-compat's autopatch ({ENV}=1, compass_compat_autopatch.pth) patches mlx-vlm when it "
-                f"is first imported, and this import of mlx_vlm failed because the patch could not apply; "
-                f"unset {ENV} to run without the patch"
+                f"compass-compat's autopatch ({ENV}=1, compass_compat_autopatch.pth) patches mlx-vlm when "
+                f"{name} is first imported, and this import of {name} failed because the patch could not "
+                f"apply; unset {ENV} to run without the patch"
             )
         raise
     uninstall()
 
 
 def installed() -> bool:
-    """Whether the finder is waiting in ``sys.meta_path`` (mlx-vlm not imported yet, or its patch failed)."""
+    """Whether the finder is waiting in ``sys.meta_path`` (no target imported yet, or the patch failed)."""
     return any(getattr(f, TAG, False) for f in sys.meta_path)
 
 
 def install() -> None:
-    """Put the finder first in ``sys.meta_path`` (once); patch now if mlx-vlm is already imported."""
-    if TARGET in sys.modules:  # something imported it before this hook ran (an earlier .pth)
-        _patch()
+    """Put the finder first in ``sys.meta_path`` (once); patch now if a target is already imported."""
+    names = targets()
+    imported = [n for n in names if n in sys.modules]
+    if imported:  # something imported it before this hook ran (an earlier .pth)
+        _patch(imported[0])
         return
     if not installed():
-        sys.meta_path.insert(0, FINDER)
+        sys.meta_path.insert(0, AutopatchFinder(names))
 
 
 def uninstall() -> bool:

@@ -129,6 +129,38 @@ PROBE = textwrap.dedent(
         worker.join()
         out["loaded_patch_on"] = executed("/compass_compat/_patch.py")
         out["worker"] = worker.ident
+    elif mode.startswith("lm:"):  # import one package, then load the checkpoint with mlx-lm
+        try:
+            __import__(mode[3:])
+            out["after_import"] = state()
+            import mlx_lm
+            model, _ = mlx_lm.load(ckpt)
+            out["model_file"] = sys.modules[type(model).__module__].__file__
+            out["error"] = None
+        except BaseException as exc:
+            out.setdefault("after_import", state())
+            out["error"] = {"type": type(exc).__name__, "module": type(exc).__module__, "message": str(exc),
+                            "notes": getattr(exc, "__notes__", [])}
+        out["lm_after"] = state()
+    elif mode == "order":  # when apply_patch first runs, relative to mlx_vlm's package module
+        order = []
+
+        def profile(frame, event, arg):
+            code = frame.f_code
+            if event == "return" and code.co_name == "<module>" and code.co_filename.endswith("/mlx_vlm/__init__.py"):
+                order.append("mlx_vlm/__init__.py done")
+            elif event == "call" and code.co_name == "apply_patch" and code.co_filename.endswith("/_patch.py"):
+                order.append("apply_patch")
+            elif event == "return" and code.co_name == "<module>" and code.co_filename.endswith("/mlx_lm/__init__.py"):
+                order.append("mlx_lm/__init__.py done")
+
+        sys.setprofile(profile)
+        try:
+            import mlx_vlm
+        except BaseException as exc:  # upstream live and the mlx-lm registration asked for: refused
+            out["error"] = type(exc).__name__
+        sys.setprofile(None)
+        out["order"] = order
     elif mode == "install twice":
         import compass_compat_autopatch as hook
         hook.install()
@@ -193,6 +225,10 @@ def probes(hooked_python, probe_cwd, tiny_ckpt_original) -> Dict[str, dict]:
         "failing": ("failing", env_for("1", COMPASS_COMPAT_FORCE_VENDORED="maybe")),
         "not opted in": ("mlx_vlm", env_for(None)),
         "generate on a worker": ("generate on a worker", env_for("1")),
+        "mlx_lm, registration opted in": ("lm:mlx_lm", env_for("1", COMPASS_COMPAT_MLX_LM="1")),
+        "mlx_vlm, registration opted in": ("lm:mlx_vlm", env_for("1", COMPASS_COMPAT_MLX_LM="1")),
+        "mlx_lm alone": ("lm:mlx_lm", env_for("1")),
+        "order": ("order", env_for("1", COMPASS_COMPAT_MLX_LM="1")),
     }
     procs = {
         name: subprocess.Popen(
@@ -273,7 +309,9 @@ def test_importing_mlx_vlm_applies_the_patch(probes, mode):
     assert state["cohere_compass_in_MODEL_CONFIG"]
     assert out["implementation"] == EXPECTED
     assert out["load_error"] is None
-    assert state["finders"] == []  # done: the finder removed itself
+    # Done: the finder removed itself; after the host's own `import compass_compat` it is left
+    # in place, inert (mlx_vlm is imported, so it is never asked again).
+    assert state["finders"] == ([] if mode != "compass_compat" else ["AutopatchFinder"])
     # mlx_vlm keeps its own loader: the hook's wrapper leaves no trace on the module.
     assert out["loader"] == out["spec_loader"] == "SourceFileLoader"
 
@@ -341,3 +379,36 @@ def test_a_host_that_imports_mlx_vlm_on_its_worker_generates_there(probes, tiny_
     assert out["after_import"]["cohere_compass_in_MODEL_CONFIG"]
     expected = greedy_cli_output(tiny_ckpt_original, "Describe the image.", 8, IMAGE).strip()
     assert expected and expected in out["stdout"], f"expected {expected!r} in:\n{out['stdout']}"
+
+
+@pytest.mark.parametrize("first", ["mlx_lm", "mlx_vlm"])
+def test_with_the_mlx_lm_registration_importing_mlx_lm_applies_it(probes, first):
+    """COMPASS_COMPAT_MLX_LM=1: a host that loads through mlx-lm never imports mlx-vlm, so mlx_lm
+    triggers the patch too; mlx-vlm importing mlx-lm inside its own import patches once, after it."""
+    out = probes[f"{first}, registration opted in"]
+    if EXPECTED == "vendored":
+        assert out["error"] is None, out["error"]
+        assert out["after_import"]["compass_compat"] and out["after_import"]["finders"] == []
+        assert out["model_file"].startswith(str(compass_compat.vendor_root() / "mlx_lm" / "models"))
+    else:  # upstream's cohere_compass is live: the mlx-lm registration is refused, loudly, at the import
+        assert (out["error"]["module"], out["error"]["type"]) == ("compass_compat.errors", "CompassCompatError")
+        assert "COMPASS_COMPAT_FORCE_VENDORED=1" in out["error"]["message"]
+        assert out["lm_after"]["finders"] == ["AutopatchFinder"]
+
+
+def test_without_the_mlx_lm_registration_importing_mlx_lm_patches_nothing(probes):
+    """A host that imports mlx-lm at startup and mlx-vlm later, on its worker, is patched there."""
+    out = probes["mlx_lm alone"]
+    state = out["after_import"]
+    assert not state["compass_compat"] and not state["mlx_vlm"]
+    assert state["finders"] == ["AutopatchFinder"]  # still waiting for mlx_vlm
+    assert out["error"] is not None and "cohere_compass not supported" in out["error"]["message"]
+
+
+def test_the_patch_starts_after_mlx_vlm_has_finished_executing(probes):
+    """Even where mlx-vlm imports mlx-lm inside its own import (0.3.9 to 0.6.3) and mlx-lm is a
+    target too (COMPASS_COMPAT_MLX_LM=1): the patch never sees a half-initialized mlx_vlm."""
+    order = probes["order"]["order"]
+    assert order.count("mlx_vlm/__init__.py done") == 1, order
+    assert "apply_patch" in order, order
+    assert order.index("mlx_vlm/__init__.py done") < order.index("apply_patch"), order
