@@ -99,7 +99,7 @@ def _count_vision_work(package):
         try:
             rows = value.tolist() if hasattr(value, "tolist") else value
             return [list(map(int, row)) for row in rows] if rows is not None else None
-        except Exception:
+        except (TypeError, ValueError, AttributeError, RuntimeError):  # a value logged as it is
             return "?"
 
     model_cls = package.Model
@@ -158,7 +158,7 @@ def _trace_language_model(package):
     def rows(value):
         try:
             return value.reshape(-1).tolist() if value is not None else None
-        except Exception:
+        except (TypeError, ValueError, AttributeError, RuntimeError):  # a value logged as its type
             return repr(type(value))
 
     def traced(self, inputs=None, inputs_embeds=None, mask=None, cache=None, **kwargs):
