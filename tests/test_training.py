@@ -302,6 +302,12 @@ def test_a_compiled_step_is_refused_by_name(tiny_ckpt_original):
     """mlx-vlm's ``--compile`` (0.7.x) and its ORPO step (0.6.x) run the model under ``mx.compile``;
     the model reads token ids on the host, so it says so instead of MLX's bare eval error."""
     from mlx_vlm.utils import load_model
+    from packaging.version import Version
+
+    if Version(mx.__version__) < Version("0.32.4"):
+        # Measured: mlx 0.31.2 and 0.32.3 report the host read only after tracing (a bare
+        # ValueError outside any model frame) or fail the interpreter (SystemError: unknown opcode).
+        pytest.skip(f"mlx {mx.__version__} does not raise a host read under mx.compile where it happens")
 
     model = load_model(tiny_ckpt_original)
     ids = mx.array([[5, 6, 7, 8]])
