@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from compass_data.toy import HOME_ENV, TOY_NOTE
 
 from .. import implementation_info
 from . import boxes, sampling, video
 from .common import CliError, log
-from .inputs import check_images, resolve_model
+from .inputs import check_adapter, check_images, resolve_model
 
 DEMO_IMAGE = Path(__file__).resolve().parents[1] / "assets" / "demo.png"
 DEFAULT_PROMPT = "Describe this picture."
@@ -39,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     gen.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the toy checkpoint")
+    gen.add_argument(
+        "--adapter-path",
+        help=(
+            "folder of a LoRA/DoRA adapter trained by mlx-vlm's trainer (adapters.safetensors + "
+            "adapter_config.json), applied by mlx-vlm's load; on 0.7.x also a full fine-tune's output"
+        ),
+    )
     gen.add_argument(
         "--image",
         nargs="+",
@@ -64,6 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     """Check every flag and file, load the model, stream the text to stdout; 0 on success."""
     model_ref, is_default = resolve_model(args.model)
+    adapter = check_adapter(args.adapter_path)
     if args.no_image and args.image:
         raise CliError("--no-image and --image exclude each other")
     videos = video.checked_videos(args)
@@ -75,13 +83,13 @@ def main(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_vlm import stream_generate
 
-    model, processor = _load(model_ref)
+    model, processor = _load(model_ref, adapter)
     prompt = " ".join(args.prompt) if args.prompt else (DEFAULT_VIDEO_PROMPT if videos else DEFAULT_PROMPT)
     refused = video.processor_errors(processor)
     formatted, inputs, times = _prompt_inputs(args, model, processor, prompt, images, videos, refused)
 
     if args.verbose:
-        _print_header(model_ref, is_default, images, videos, times, prompt, model.config, given, args.seed)
+        _print_header(model_ref, adapter, is_default, images, videos, times, prompt, model.config, given, args.seed)
     elif is_default:
         log("note: " + TOY_NOTE)
 
@@ -114,15 +122,18 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model_ref: str):
-    """mlx-vlm's (model, processor) for ``model_ref``; a failure becomes a one-line CliError."""
+def _load(model_ref: str, adapter: Optional[str] = None):
+    """mlx-vlm's (model, processor) for ``model_ref`` (with ``adapter`` applied by mlx-vlm's own
+    ``adapter_path``); a failure becomes a one-line CliError."""
     from mlx_vlm import load
 
     try:
-        return load(model_ref)
+        # Only when given: the keyword is what mlx-vlm's generate passes, nothing more.
+        return load(model_ref, adapter_path=adapter) if adapter else load(model_ref)
     except Exception as err:  # re-raised as a one-line CliError; the cause stays chained
         where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
-        raise CliError(f"could not load {model_ref}{where}: {type(err).__name__}: {err}") from err
+        with_adapter = f" with the adapter {adapter}" if adapter else ""
+        raise CliError(f"could not load {model_ref}{with_adapter}{where}: {type(err).__name__}: {err}") from err
 
 
 def _prompt_inputs(
@@ -154,6 +165,7 @@ def _prompt_inputs(
 
 def _print_header(
     model_ref: str,
+    adapter: Optional[str],
     is_default: bool,
     images: Sequence[str],
     videos: Sequence[str],
@@ -167,6 +179,8 @@ def _print_header(
     info = implementation_info()
     print(RULE)
     print(f"Model: {model_ref}")
+    if adapter:
+        print(f"Adapter: {adapter}")
     if is_default:
         print(f"       {TOY_NOTE}")
     print(f"cohere_compass: {info.implementation} (mlx-vlm {info.mlx_vlm_version})")

@@ -36,6 +36,19 @@ def resolve_model(model: Optional[str]) -> Tuple[str, bool]:
     )
 
 
+def check_adapter(adapter: Optional[str]) -> Optional[str]:
+    """The ``--adapter-path`` folder checked to hold trained weights (None when not given); what
+    else it needs (adapter_config.json) mlx-vlm's load says."""
+    if adapter is None:
+        return None
+    path = Path(adapter).expanduser()
+    if not path.exists():
+        raise CliError(f"adapter folder not found: {path} (pass the --output-path folder of mlx-vlm's trainer)")
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        raise CliError(f"{path} has no *.safetensors: not an adapter folder written by mlx-vlm's trainer")
+    return str(path)
+
+
 def check_images(images: Sequence[str]) -> List[str]:
     """The image arguments with local files checked to exist (URLs and data URIs pass as given)."""
     out = []

@@ -21,8 +21,8 @@ env_requirements() {
     0.4.4-tf5.17) echo "mlx[cpu]>=0.31.2,<0.32 mlx-vlm==0.4.4 mlx-lm>=0.31.3,<0.32 transformers==5.17.* $common" ;;
     # oMLX's engine (flyto-mlx 0.7.0) without flyto-mlx itself
     0.6.3)        echo "mlx[cpu]==0.32.3 mlx-vlm==0.6.3 mlx-lm==0.31.3 transformers>=5.12.1,<5.13 $common" ;;
-    # last release without cohere_compass
-    0.6.12)       echo "mlx[cpu] mlx-vlm==0.6.12 mlx-lm>=0.31.3 $common" ;;
+    # last release without cohere_compass; the train extra (datasets) for python -m mlx_vlm.lora
+    0.6.12)       echo "mlx[cpu] mlx-vlm[train]==0.6.12 mlx-lm>=0.31.3 $common" ;;
     # current, ships cohere_compass; the reference environment (torch as the oracle)
     0.7.10)       echo "mlx[cpu] mlx-vlm==0.7.10 mlx-lm>=0.31.3 transformers>=5.21 $common" ;;
     *) echo "unknown environment $1 (scripts/env/pins.sh knows: ${ALL_ENVS[*]})" >&2; return 1 ;;

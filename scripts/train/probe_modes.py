@@ -50,7 +50,13 @@ MODES: Dict[str, dict] = {
     "compile": {NEW_CLI: ["--compile"], OLD_CLI: None},
     "orpo": {NEW_CLI: ["--algorithm", "orpo"], OLD_CLI: ["--train-mode", "orpo"], "data": "preference"},
     "dpo": {NEW_CLI: ["--algorithm", "dpo"], OLD_CLI: None, "data": "preference"},
-    "grpo": {NEW_CLI: ["--algorithm", "grpo"], OLD_CLI: None, "data": "grpo"},
+    # Two samples of at most 8 tokens per prompt: the tiny model rarely stops, so the defaults
+    # (4 samples of up to 512) make 3 steps take minutes of sampling.
+    "grpo": {
+        NEW_CLI: ["--algorithm", "grpo", "--group-size", "2", "--max-completion-length", "8"],
+        OLD_CLI: None,
+        "data": "grpo",
+    },
 }
 
 
