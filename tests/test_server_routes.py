@@ -11,14 +11,16 @@ the version number:
   call (``mlx_vlm.embedding_loader.load_embedding_model``; ``model(ids, attention_mask=)``), for
   ours and for the control.
 
-The control (mlx-vlm's own ``qwen3_vl``, scripts/_lib/control.py) has no tokenizer files: the
-pin's loader still gives it a Qwen processor, whose empty tokenizer turns every prompt into zero
-tokens, so its requests fail inside the pin (asserted here) and say nothing about a route.
+The control (mlx-vlm's own ``qwen3_vl``, scripts/_lib/control.py) has no tokenizer files: 0.3.x's
+server exits at startup (it cannot load the processor); later pins give it a Qwen processor whose
+empty tokenizer turns every prompt into zero tokens, so its requests fail inside the pin
+(asserted here) and say nothing about a route.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,7 +33,7 @@ pytest.importorskip(
 )
 
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, Server, reply_text  # noqa: E402
+from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, START_TIMEOUT, Server, reply_text  # noqa: E402
 
 TEXT_PROMPT = "Hello there"
 IMAGE_PROMPT = "Describe the image."
@@ -62,12 +64,28 @@ def servers(tiny_ckpt_original, control_ckpt, tmp_path_factory):
         "control": Server(control_ckpt, logs / "control.log"),
     }
     try:
-        for server in started.values():
-            server.wait_ready()
+        started["ours"].wait_ready()
+        control_ready(started["control"])
         yield started
     finally:
         for server in started.values():
             server.stop()
+
+
+def control_ready(server: Server) -> bool:
+    """Whether the control's server came up; False when it exited at startup (0.3.x loads the
+    model and its processor before serving, and the control has no processor files)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            time.sleep(0.5)
+    pytest.fail(f"the control's server neither served nor exited after {START_TIMEOUT}s:\n{server.tail()}")
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +262,13 @@ def test_the_pins_embedding_call_gives_no_text_embeds(tiny_ckpt_original, contro
 
 @pytest.mark.parametrize("name", sorted(ROUTES))
 def test_control_cannot_be_asked_through_the_routes(servers, name):
-    """The control's server starts, but its processor has no vocabulary: the request fails in the
-    pin (an error status, an error in place of the text, or no answer at all: 0.6.12's request
+    """The control has no processor files: its server exits at startup (0.3.x), or starts with a
+    processor of no vocabulary and the request fails in the pin (an error status, an error in place of the text, or no answer at all: 0.6.12's request
     waits forever once its generation thread has failed), never an answer to compare."""
     server = servers["control"]
+    if server.proc.poll() is not None:
+        assert "Can't load image processor" in server.tail(400), server.tail()
+        return
     route = found_route(server, name)
     _, build, read, _ = ROUTES[name]
     try:
