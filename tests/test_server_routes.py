@@ -1,0 +1,285 @@
+"""mlx-vlm's server routes beyond chat completions, with this model and with the control.
+
+Each route is probed on the running server (a route the pin lacks answers 404), never read from
+the version number:
+- Anthropic-style ``/v1/messages`` (0.6 and later): a text and a picture request, and the
+  streamed text request, give ``python -m compass_compat generate``'s greedy text.
+- The responses route (``/responses`` on 0.3.x, ``/v1/responses`` from 0.4): the same three.
+- ``/v1/embeddings`` (0.6 and later): the pin serves ``text_embeds`` from a model's output, which
+  only its embedding models produce; a generative VLM is refused by the pin by name (400), for
+  text and for a picture. The same verdict in-process through the pin's own embedding loader and
+  call (``mlx_vlm.embedding_loader.load_embedding_model``; ``model(ids, attention_mask=)``), for
+  ours and for the control.
+
+The control (mlx-vlm's own ``qwen3_vl``, scripts/_lib/control.py) has no tokenizer files: 0.3.x's
+server exits at startup (it cannot load the processor); later pins give it a Qwen processor whose
+empty tokenizer turns every prompt into zero tokens, so its requests fail inside the pin
+(asserted here) and say nothing about a route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+pytest.importorskip(
+    "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
+)
+
+from tests.lib.cli_run import greedy_cli_output  # noqa: E402
+from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, START_TIMEOUT, Server, reply_text  # noqa: E402
+
+TEXT_PROMPT = "Hello there"
+IMAGE_PROMPT = "Describe the image."
+# The pin's own refusals (mlx_vlm/server/embeddings.py, 0.6.12 and 0.7.10).
+NO_TEXT_EMBEDDINGS = "The loaded model does not produce embeddings."
+NO_IMAGE_EMBEDDINGS = "The loaded embedding model does not support image inputs."
+CONTROL_TIMEOUT = 15  # seconds; its zero-token prompt fails at once, or never answers
+
+
+@pytest.fixture(scope="module")
+def image(fixture_images) -> Path:
+    return fixture_images["synth_320x256.png"]
+
+
+@pytest.fixture(scope="module")
+def image_b64(image) -> str:
+    import base64
+
+    return base64.b64encode(image.read_bytes()).decode("ascii")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_ckpt_original, control_ckpt, tmp_path_factory):
+    """Ours and the control's servers, started at once; stopped at the end."""
+    logs = tmp_path_factory.mktemp("route_logs")
+    started = {
+        "ours": Server(tiny_ckpt_original, logs / "ours.log"),
+        "control": Server(control_ckpt, logs / "control.log"),
+    }
+    try:
+        started["ours"].wait_ready()
+        control_ready(started["control"])
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def control_ready(server: Server) -> bool:
+    """Whether the control's server came up; False when it exited at startup (0.3.x loads the
+    model and its processor before serving, and the control has no processor files)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            time.sleep(0.5)
+    pytest.fail(f"the control's server neither served nor exited after {START_TIMEOUT}s:\n{server.tail()}")
+
+
+@pytest.fixture(scope="module")
+def cli_texts(tiny_ckpt_original, image) -> dict:
+    """``compass_compat generate``'s greedy text for the text and the picture request."""
+    return {
+        "text": greedy_cli_output(tiny_ckpt_original, TEXT_PROMPT, MAX_TOKENS).rstrip("\n"),
+        "image": greedy_cli_output(tiny_ckpt_original, IMAGE_PROMPT, MAX_TOKENS, image).rstrip("\n"),
+    }
+
+
+def send(server: Server, route: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> Tuple[int, bytes]:
+    """(status, raw body) of one POST."""
+    try:
+        with urllib.request.urlopen(server.request(body, route), timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def has_route(server: Server, route: str) -> bool:
+    """An empty body: FastAPI answers 404 for a route the app lacks, 422 (or the handler's own
+    error) for one it has."""
+    return send(server, route, {})[0] != 404
+
+
+def sse_events(raw: bytes) -> List[dict]:
+    """The JSON payloads of a server-sent-events body, in order (``[DONE]`` dropped)."""
+    events = []
+    for line in raw.decode("utf-8").splitlines():
+        if line.startswith("data:"):
+            data = line[len("data:") :].strip()
+            if data and data != "[DONE]":
+                events.append(json.loads(data))
+    return events
+
+
+# ------------------------------------------------------------- request bodies per route
+
+
+def messages_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
+    content: object = prompt
+    if image_b64:
+        source = {"type": "base64", "media_type": "image/png", "data": image_b64}
+        content = [{"type": "image", "source": source}, {"type": "text", "text": prompt}]
+    return {
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "stream": stream,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def responses_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
+    parts = [{"type": "input_text", "text": prompt}]
+    if image_b64:
+        parts.insert(0, {"type": "input_image", "image_url": "data:image/png;base64," + image_b64})
+    return {
+        "model": model,
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "stream": stream,
+        "input": [{"role": "user", "content": parts}],
+    }
+
+
+def messages_text(raw: bytes) -> str:
+    body = json.loads(raw)
+    assert body["type"] == "message" and body["role"] == "assistant", body
+    return "".join(part["text"] for part in body["content"] if part["type"] == "text")
+
+
+def messages_stream_text(raw: bytes) -> str:
+    events = sse_events(raw)
+    assert events and events[-1]["type"] == "message_stop", raw[-400:]
+    return "".join(
+        e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
+
+
+def responses_text(raw: bytes) -> str:
+    return reply_text(json.loads(raw))
+
+
+def responses_stream_text(raw: bytes) -> str:
+    events = sse_events(raw)
+    deltas = [e["delta"] for e in events if e.get("type") == "response.output_text.delta"]
+    assert deltas, f"no response.output_text.delta events: {raw[:600]!r}"
+    done = [e for e in events if e.get("type") == "response.completed"]
+    if done:  # the final event carries the whole text too: it must agree with the deltas
+        assert responses_text(json.dumps(done[-1]["response"]).encode()) == "".join(deltas)
+    return "".join(deltas)
+
+
+ROUTES = {
+    # name: (routes to try, first found wins; body builder; reader; streamed reader)
+    "messages": (("/v1/messages",), messages_body, messages_text, messages_stream_text),
+    "responses": (("/v1/responses", "/responses"), responses_body, responses_text, responses_stream_text),
+}
+
+
+def found_route(server: Server, name: str) -> str:
+    for route in ROUTES[name][0]:
+        if has_route(server, route):
+            return route
+    pytest.skip(f"this mlx-vlm's server has no {name} route ({', '.join(ROUTES[name][0])} answer 404)")
+
+
+# ------------------------------------------------------------- ours: the CLI's text
+
+
+@pytest.mark.parametrize("name", sorted(ROUTES))
+@pytest.mark.parametrize("kind", ["text", "image", "streamed text"])
+def test_route_gives_the_cli_greedy_text(servers, cli_texts, image_b64, name, kind):
+    server = servers["ours"]
+    route = found_route(server, name)
+    _, build, read, read_stream = ROUTES[name]
+    prompt = IMAGE_PROMPT if kind == "image" else TEXT_PROMPT
+    body = build(server.model, prompt, image_b64 if kind == "image" else "", stream=kind == "streamed text")
+    status, raw = send(server, route, body)
+    assert status == 200, f"{route} {kind}: {status} {raw[:600]!r}\n{server.tail()}"
+    text = (read_stream if kind == "streamed text" else read)(raw)
+    expected = cli_texts["image" if kind == "image" else "text"]
+    assert expected.strip()
+    assert text.strip() == expected.strip(), f"{route} {kind}"
+
+
+# ------------------------------------------------------------- embeddings
+
+
+def embeddings_route_or_skip(server: Server) -> str:
+    if not has_route(server, "/v1/embeddings"):
+        pytest.skip("this mlx-vlm's server has no /v1/embeddings route")
+    return "/v1/embeddings"
+
+
+def test_embeddings_refuse_this_model_by_name(servers, image_b64):
+    """Text and a picture: the pin's own 400, which names why; the server keeps serving."""
+    server = servers["ours"]
+    route = embeddings_route_or_skip(server)
+    for item, detail in (
+        (TEXT_PROMPT, NO_TEXT_EMBEDDINGS),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + image_b64}}, NO_IMAGE_EMBEDDINGS),
+    ):
+        status, raw = send(server, route, {"model": server.model, "input": [item]})
+        assert status == 400, f"{status} {raw[:600]!r}\n{server.tail()}"
+        assert json.loads(raw)["detail"] == detail
+    _, build, read, _ = ROUTES["responses"]
+    status, raw = send(server, found_route(server, "responses"), build(server.model, TEXT_PROMPT))
+    assert status == 200 and read(raw).strip(), f"after the refusals: {status} {raw[:400]!r}"
+
+
+@pytest.mark.parametrize("which", ["ours", "control"])
+def test_the_pins_embedding_call_gives_no_text_embeds(tiny_ckpt_original, control_ckpt, which):
+    """What the route runs after tokenizing, in-process: the pin's embedding loader, then
+    ``model(input_ids, attention_mask=)``. A generative VLM (ours, and the pin's own qwen3_vl)
+    has no ``text_embeds`` in its output, which is what the route's refusal reads."""
+    pytest.importorskip("mlx_vlm.embedding_loader", reason="this mlx-vlm has no embedding loader (no embeddings)")
+    import mlx.core as mx
+    from mlx_vlm.embedding_loader import load_embedding_model
+
+    path = tiny_ckpt_original if which == "ours" else control_ckpt
+    model = load_embedding_model(Path(path))
+    ids = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
+    out = model(ids, attention_mask=mx.ones(ids.shape, dtype=mx.int32))
+    logits = getattr(out, "logits", out)
+    assert logits.shape[:2] == (1, 4)  # it ran: a generation output, one row per token
+    assert getattr(out, "text_embeds", None) is None
+
+
+# ------------------------------------------------------------- the control
+
+
+@pytest.mark.parametrize("name", sorted(ROUTES))
+def test_control_cannot_be_asked_through_the_routes(servers, name):
+    """The control has no processor files: its server exits at startup (0.3.x), or starts with a
+    processor of no vocabulary and the request fails in the pin (an error status, an error in place of the text, or no answer at all: 0.6.12's request
+    waits forever once its generation thread has failed), never an answer to compare."""
+    server = servers["control"]
+    if server.proc.poll() is not None:
+        assert "Can't load image processor" in server.tail(400), server.tail()
+        return
+    route = found_route(server, name)
+    _, build, read, _ = ROUTES[name]
+    try:
+        status, raw = send(server, route, build(server.model, TEXT_PROMPT), timeout=CONTROL_TIMEOUT)
+    except TimeoutError:
+        status, raw = 0, b""
+    if status == 200:
+        try:
+            text = read(raw)
+        except (KeyError, ValueError, AssertionError, TypeError):
+            text = ""
+        assert not text.strip(), f"the control answered {text!r}: it has a tokenizer now; compare it"
+    log = server.tail(400)
+    assert "prompt_tokens=0" in log or "size 0" in log or status >= 400, log
