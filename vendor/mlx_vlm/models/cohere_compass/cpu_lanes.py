@@ -146,6 +146,8 @@ def _rows(layer: nn.Module, x: mx.array, a: int, b: int, after: Optional[mx.arra
 _SPLITTABLE = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 _EMBEDDINGS = (nn.Embedding, nn.QuantizedEmbedding)
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+# nn.Linear's own call, to tell when a caller has instrumented it (mlx-vlm's AWQ calibration).
+_LINEAR_CALL = nn.Linear.__call__
 
 
 def _whole(layer: nn.Module, x: mx.array) -> mx.array:
@@ -185,6 +187,11 @@ def linear(
     ):
         x, out_dtype = x.astype(mx.float32), x.dtype if out_dtype is None else out_dtype
     kind = type(layer)
+    # compass-compat: mlx-vlm's AWQ (convert --quant-method awq) records each projection's inputs
+    # by replacing nn.Linear.__call__; split pieces never reach it, so AWQ would fall back to
+    # plain rounding without a word. While instrumented, float layers are called whole.
+    if kind is nn.Linear and nn.Linear.__call__ is not _LINEAR_CALL:
+        return layer(x) if out_dtype is None else layer(x).astype(out_dtype)
     if kind not in _SPLITTABLE or mx.default_device() != mx.cpu:
         out = _whole(layer, x)
         return out if out_dtype is None else out.astype(out_dtype)

@@ -17,6 +17,7 @@ from ..cache import KVCache
 from ..cache import RotatingKVCache as _PinRotatingKVCache
 from . import cpu_lanes
 from .config import RopeSpec, TextConfig, grid_sequence
+from .speculative import refuse_speculative
 
 
 def mrope_axis_table(section: Sequence[int], half_dim: int) -> np.ndarray:
@@ -466,6 +467,7 @@ class LanguageModel(nn.Module):
         deepstack_visual_embeds: Optional[mx.array] = None,
         **kwargs,
     ) -> LanguageModelOutput:
+        refuse_speculative(kwargs)
         h = self.model.embed_tokens(inputs) if inputs_embeds is None else inputs_embeds
         B, L = h.shape[:2]
         if cache is None:
