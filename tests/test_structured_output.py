@@ -34,13 +34,16 @@ import pytest
 from compass_data import toy
 from scripts._lib import mlx_vlm_run
 from tests.lib.json_mask import (
+    DIGIT_SCHEMA,
     SCHEMA,
     ChoiceMask,
     FixedIds,
     Identity,
     byte_pieces,
     check_calls,
+    cpu_bitmask,
     documents,
+    mask_kernel_site,
     matches,
     tokenizer_pieces,
 )
@@ -59,8 +62,11 @@ def _generate_step():
 
 HAS_PROCESSORS = "logits_processors" in inspect.signature(_generate_step()).parameters
 PIN_STRUCTURED = importlib.util.find_spec("mlx_vlm.structured") is not None
-pytestmark = pytest.mark.skipif(
+needs_processors = pytest.mark.skipif(
     not HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes no logits_processors (0.3.x)"
+)
+without_processors = pytest.mark.skipif(
+    HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes logits_processors (tested above)"
 )
 needs_pin_structured = pytest.mark.skipif(
     not PIN_STRUCTURED, reason="this mlx-vlm has no mlx_vlm.structured (response_format came in 0.6)"
@@ -115,6 +121,7 @@ def _cut_at_eos(ids, eos: List[int]) -> List[int]:
     return ids if end is None else ids[: end + 1]
 
 
+@needs_processors
 @pytest.mark.parametrize("name", ["text_short", "img_448"])
 def test_identity_processor_gives_the_reference_greedy_tiny(tiny, reference, fixture_images, name):
     """A processor that changes nothing: the ids are transformers' greedy ids, as without it."""
@@ -130,6 +137,7 @@ def test_identity_processor_gives_the_reference_greedy_tiny(tiny, reference, fix
     check_calls(identity, case["input_ids"].reshape(-1).tolist(), got, tiny.vocab, tiny.eos)
 
 
+@needs_processors
 @pytest.mark.parametrize("question", ["Say hello.", "describe", "count"])
 def test_identity_processor_gives_the_reference_answer_default(default, question):
     """The default checkpoint: transformers' recorded answer (text, or a question on the demo)."""
@@ -144,6 +152,7 @@ def test_identity_processor_gives_the_reference_answer_default(default, question
     check_calls(identity, default.prompt_ids(), got, default.vocab, default.eos)
 
 
+@needs_processors
 @pytest.mark.parametrize("which", ["tiny", "default"])
 def test_fixed_document_through_generate(request, which):
     """``generate`` with a processor that allows only the tokenizer's ids of FIXED, then EOS: the
@@ -166,6 +175,7 @@ def test_fixed_document_through_generate(request, which):
     check_calls(fixed, fixed.calls[0].context, target, ours.vocab, ours.eos)
 
 
+@needs_processors
 @pytest.mark.parametrize(
     "which, text, with_image",
     [
@@ -186,6 +196,23 @@ def test_schema_mask_through_stream_generate(request, which, text, with_image):
     assert answer in documents() and matches(SCHEMA, json.loads(answer))
     check_calls(mask, ours.prompt_ids(), ids, ours.vocab, ours.eos)
     assert mask.calls[-1].context[-1] in ours.eos  # stopped at its end of sequence, not max_tokens
+
+
+@needs_processors
+@pytest.mark.parametrize("name", ["text_short", "img_448"])
+def test_digit_document_takes_the_references_best_digit(tiny, reference, fixture_images, name):
+    """A one-digit document: the digit is the best of the ten by transformers' recorded logits of
+    the prompt's last position (independent of ours), then EOS."""
+    case = reference(name)
+    images = [str(fixture_images[f]) for f in case["meta"]["images"]]
+    mask = ChoiceMask(documents(DIGIT_SCHEMA), tiny.pieces, tiny.eos)
+    ids = tiny.stream(case["meta"]["prompt"], images, [mask])
+    allowed = mask.calls[0].allowed
+    assert sorted(tiny.pieces[i] for i in allowed) == [str(d) for d in range(10)]
+    want = allowed[int(np.argmax(case["prefill_logits"][-1][allowed]))]
+    assert ids[0] == want and ids[1:] == tiny.eos[:1]
+    answer = tiny.tokenizer.decode(ids, skip_special_tokens=True)
+    assert matches(DIGIT_SCHEMA, json.loads(answer))
 
 
 # --------------------------------------------------------------------------- the control
@@ -221,6 +248,7 @@ def _control_ids(model, inputs: Dict, processors=None, steps: int = MAX_TOKENS) 
     return ids
 
 
+@needs_processors
 @pytest.mark.parametrize("case", ["text_short", "image"])
 def test_control_identity_processor(control, case):
     from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt, one_shot_greedy
@@ -233,6 +261,7 @@ def test_control_identity_processor(control, case):
     check_calls(identity, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), got, VOCAB_SIZE, [EOS_ID])
 
 
+@needs_processors
 @pytest.mark.parametrize("case", ["text_short", "image"])
 def test_control_fixed_document(control, case):
     from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt
@@ -244,6 +273,7 @@ def test_control_fixed_document(control, case):
     check_calls(fixed, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
 
 
+@needs_processors
 @pytest.mark.parametrize("case", ["text_short", "image"])
 def test_control_schema_mask(control, case):
     from scripts._lib.control import EOS_ID, TEXT_ID_LIMIT, VOCAB_SIZE, control_prompt
@@ -255,6 +285,43 @@ def test_control_schema_mask(control, case):
     answer = "".join(map(chr, ids[:-1]))
     assert answer in documents() and matches(SCHEMA, json.loads(answer))
     check_calls(mask, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
+
+
+# --------------------------------------------------------------------------- pins without processors
+@without_processors
+def test_no_processors_pin_refuses_by_name_ours(tiny):
+    """0.3.x's generate_step hands ``logits_processors`` on to the model's forward pass: ours
+    refuses them by name (the control ignores them, below)."""
+    prompt = tiny.tokenizer.encode(tiny.prompt("Hello there!", []), add_special_tokens=False)
+    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
+    steps = _generate_step()(mx.array([prompt]), tiny.loaded[0], None, None, logits_processors=[fixed])
+    with pytest.raises(TypeError, match="logits_processors reached cohere_compass"):
+        next(steps)
+    assert not fixed.calls
+
+
+@without_processors
+@cpu_only
+def test_no_processors_pin_swallows_the_refusal_on_cpu(tiny):
+    """0.3.x's stream_generate without Metal ends in ``wired_limit``, whose ``finally: return``
+    drops any exception: the refusal becomes an empty stream (the pin's), not an answer."""
+    from mlx_vlm import stream_generate
+
+    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
+    prompt = tiny.prompt("Hello there!", [])
+    assert list(stream_generate(*tiny.loaded, prompt, max_tokens=8, logits_processors=[fixed])) == []
+
+
+@without_processors
+def test_no_processors_pin_ignores_them_on_the_control(control):
+    """The control's forward pass ignores the unknown option: an unconstrained answer, the
+    processor never called (the pin's design; ours refuses)."""
+    from scripts._lib.control import EOS_ID, control_prompt
+
+    inputs = control_prompt("text_short")
+    fixed = FixedIds([ord(c) for c in FIXED], [EOS_ID])
+    got = _control_ids(control, inputs, [fixed], steps=12)
+    assert not fixed.calls and got == _control_ids(control, inputs, steps=12)
 
 
 # --------------------------------------------------------------------------- the pin's llguidance mask
@@ -286,28 +353,12 @@ def test_pin_mask_needs_metal_control(control, tiny_ckpt_original):
         _control_ids(control, control_prompt("text_short"), [_pin_processor(tokenizer)])
 
 
-def _cpu_bitmask(logits: mx.array, mask) -> mx.array:
-    """llguidance's packed mask applied on the CPU: bit (id % 32) of word (id // 32) allows id;
-    ids past the mask's words (padded logits rows) are disallowed, as the pin's kernel does."""
-    logits2 = logits[None] if logits.ndim == 1 else logits
-    words = np.asarray(mask, dtype=np.int32).reshape(logits2.shape[0], -1).view(np.uint32)
-    ids = np.arange(logits2.shape[-1])
-    inside = ids // 32 < words.shape[1]
-    bits = (words[:, np.minimum(ids // 32, words.shape[1] - 1)] >> (ids % 32).astype(np.uint32)) & 1
-    keep = mx.array((bits == 1) & inside)
-    out = mx.where(keep, logits2, mx.array(float("-inf"), dtype=logits.dtype))
-    return out[0] if logits.ndim == 1 else out
-
-
 @pytest.fixture
 def cpu_mask(monkeypatch):
-    """The pin's Metal mask replaced by :func:`_cpu_bitmask` (mlx-vlm 0.6.12+: its own kernel;
-    0.6.3: llguidance.mlx's), so the rest of its structured path runs here."""
-    structured = importlib.import_module("mlx_vlm.structured")
-    if hasattr(structured, "_apply_llguidance_mask"):
-        monkeypatch.setattr(structured, "_apply_llguidance_mask", _cpu_bitmask)
-    else:
-        monkeypatch.setattr(importlib.import_module("llguidance.mlx"), "apply_token_bitmask", _cpu_bitmask)
+    """The pin's Metal mask replaced by a CPU one (tests/lib/json_mask.py ``cpu_bitmask``), so the
+    rest of its structured path runs here."""
+    for module, name in mask_kernel_site():
+        monkeypatch.setattr(module, name, cpu_bitmask)
 
 
 @needs_pin_structured
@@ -339,36 +390,75 @@ def _post(server, body: dict) -> tuple:
         return err.code, err.read().decode("utf-8", "replace")
 
 
+def _server(tmp_path, *paths: str):
+    """The default checkpoint served by ``python -m compass_compat server``, this tree (and
+    ``paths``) first on its PYTHONPATH."""
+    from tests.lib.server import ROUTE, Server
+
+    if not _server_has_response_format():
+        pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
+    assert ROUTE == "/v1/chat/completions"
+    path = os.pathsep.join(p for p in (*paths, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", env={"PYTHONPATH": path})
+
+
+def _chat(server, text: str, **extra) -> dict:
+    return dict(
+        {
+            "model": server.model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": False,
+        },
+        **extra,
+    )
+
+
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": SCHEMA}}
+
+
 @cpu_only
 def test_server_response_format_on_cpu(tmp_path):
     """A JSON-schema request: 500 naming the missing Metal back-end (a stream: one error event and
     no text), never an unconstrained answer; the same request without response_format answers."""
-    if not _server_has_response_format():
-        pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
-    from tests.lib.server import ROUTE, Server
-
-    assert ROUTE == "/v1/chat/completions"
-    folder = toy.ensure_default_checkpoint()
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    server = Server(folder, tmp_path / "server.log", env=env)
+    server = _server(tmp_path)
     case = TOY_REFERENCE["text_only"][0]
-    body = {
-        "model": str(folder),
-        "messages": [{"role": "user", "content": case["prompt"]}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "stream": False,
-    }
-    schema = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": SCHEMA}}
     try:
         server.wait_ready()
-        status, text = _post(server, dict(body, response_format=schema))
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
         assert status == 500 and NO_METAL in json.loads(text)["detail"], (status, text, server.tail())
-        status, text = _post(server, dict(body, response_format=schema, stream=True))
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT, stream=True))
         events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
         assert status == 200 and len(events) == 1 and NO_METAL in events[0]["error"], (status, text)
-        status, text = _post(server, body)
+        status, text = _post(server, _chat(server, case["prompt"]))
         assert status == 200, (text, server.tail())
         assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
+    finally:
+        server.stop()
+
+
+def test_server_response_format_with_a_cpu_mask(tmp_path):
+    """The server's own structured path (llguidance grammar, its batch generator's processors) on
+    ours, with only the Metal mask swapped for the CPU one (a sitecustomize in the server): the
+    answer, whole or streamed, parses and matches the schema."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from tests.lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
+    )
+    server = _server(tmp_path, str(site))
+    prompt = TOY_REFERENCE["demo"]["describe"]["prompt"]
+    try:
+        server.wait_ready()
+        status, text = _post(server, _chat(server, prompt, response_format=RESPONSE_FORMAT))
+        assert status == 200, (text, server.tail())
+        answer = json.loads(text)["choices"][0]["message"]["content"]
+        assert matches(SCHEMA, json.loads(answer)), answer
+        status, text = _post(server, _chat(server, prompt, response_format=RESPONSE_FORMAT, stream=True))
+        events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
+        assert status == 200 and not any("error" in e for e in events), text
+        streamed = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+        assert streamed == answer
     finally:
         server.stop()

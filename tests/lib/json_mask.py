@@ -29,19 +29,26 @@ SCHEMA: Dict = {
 }
 
 
+# A document whose first token is a real choice: one digit.
+DIGIT_SCHEMA: Dict = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+def _values(name: str, spec: Dict) -> list:
+    if "enum" in spec:
+        return list(spec["enum"])
+    if spec.get("type") == "integer":
+        return list(range(spec["minimum"], spec["maximum"] + 1))
+    raise ValueError(f"cannot list the values of {name}: {spec}")
+
+
 def documents(schema: Dict = SCHEMA) -> List[str]:
-    """Every document of ``schema`` as ``json.dumps`` writes it (keys in the schema's order).
-    Only the shapes SCHEMA uses are understood: string enums and bounded integers."""
-    names, values = [], []
-    for name, spec in schema["properties"].items():
-        if "enum" in spec:
-            choices = list(spec["enum"])
-        elif spec.get("type") == "integer":
-            choices = list(range(spec["minimum"], spec["maximum"] + 1))
-        else:
-            raise ValueError(f"cannot list the values of {name}: {spec}")
-        names.append(name)
-        values.append(choices)
+    """Every document of ``schema`` as ``json.dumps`` writes it (an object's keys in the schema's
+    order). Only the shapes used here are understood: objects of string enums and bounded
+    integers, or one such value."""
+    if schema.get("type") != "object":
+        return [json.dumps(v) for v in _values("the document", schema)]
+    names = list(schema["properties"])
+    values = [_values(name, schema["properties"][name]) for name in names]
     return [json.dumps(dict(zip(names, combo))) for combo in itertools.product(*values)]
 
 
@@ -158,20 +165,54 @@ def check_calls(
     recorder: Recorder, prompt_ids: Sequence[int], generated: Sequence[int], vocab_size: int, eos_ids: Sequence[int]
 ) -> None:
     """The pin's calling convention, as its ``generate_step`` is written: the first call sees the
-    whole prompt, call k the prompt and the first k sampled ids, logits [1, vocab]; one call per
-    sampled id, the last being the look-ahead (the pin computes step n+1 before it hands out id n).
-    ``generated`` are the ids the caller got: the sampled ones, less an end-of-sequence id the
-    pin stops at without handing it out."""
+    prompt's tail (the whole prompt on mlx-vlm 0.4-0.6; on 0.7 only its last id, the rest being
+    prefilled before), call k that tail and the first k sampled ids, logits [1, vocab]; one call
+    per sampled id, the last being the look-ahead (the pin computes step n+1 before it hands out
+    id n). ``generated`` are the ids the caller got: the sampled ones, less an end-of-sequence id
+    the pin may stop at without handing it out."""
     calls, prompt, generated = recorder.calls, list(prompt_ids), list(generated)
     assert calls, "the processor was never called"
-    sampled = calls[-1].context[len(prompt) :]
-    assert len(calls) == len(sampled) + 1
+    tail = calls[0].context
+    assert 1 <= len(tail) <= len(prompt) and prompt[len(prompt) - len(tail) :] == tail, (tail, prompt)
+    sampled = calls[-1].context[len(tail) :]
+    assert len(calls) == len(sampled) + 1, (len(calls), len(sampled))
     for k, call in enumerate(calls):
-        assert call.context == prompt + sampled[:k], k
-        assert call.tokens_shape == (len(prompt) + k,), k
+        assert call.context == tail + sampled[:k], k
+        assert call.tokens_shape == (len(tail) + k,), k
         assert call.logits_shape == (1, vocab_size), k
         if call.allowed is not None and k < len(sampled):
             assert sampled[k] in call.allowed, (k, sampled[k])
     assert sampled[: len(generated)] == generated, (sampled, generated)
     extra = sampled[len(generated) :]
     assert len(extra) <= 1 and all(i in eos_ids for i in extra), (sampled, generated)
+
+
+# --------------------------------------------------------------------------- the pin's mask on a CPU
+def cpu_bitmask(logits: mx.array, mask) -> mx.array:
+    """llguidance's packed mask applied without Metal: bit (id % 32) of word (id // 32) allows id;
+    ids past the mask's words (padded logits rows) are disallowed, as the pin's kernel does."""
+    rows = logits[None] if logits.ndim == 1 else logits
+    words = np.asarray(mask, dtype=np.int32).reshape(rows.shape[0], -1).view(np.uint32)
+    ids = np.arange(rows.shape[-1])
+    word = ids // 32
+    bits = (words[:, np.minimum(word, words.shape[1] - 1)] >> (ids % 32).astype(np.uint32)) & 1
+    keep = mx.array((bits == 1) & (word < words.shape[1]))
+    out = mx.where(keep, rows, mx.array(float("-inf"), dtype=logits.dtype))
+    return out[0] if logits.ndim == 1 else out
+
+
+def mask_kernel_site() -> List[tuple]:
+    """(module, attribute) of the Metal mask the pin's structured output calls: mlx-vlm's own
+    ``_apply_llguidance_mask`` (0.6.12+), else llguidance's ``apply_token_bitmask`` (0.6.3)."""
+    import importlib
+
+    structured = importlib.import_module("mlx_vlm.structured")
+    if hasattr(structured, "_apply_llguidance_mask"):
+        return [(structured, "_apply_llguidance_mask")]
+    return [(importlib.import_module("llguidance.mlx"), "apply_token_bitmask")]
+
+
+def install_cpu_mask() -> None:
+    """Swap the pin's Metal mask for :func:`cpu_bitmask` in this process (a server under test)."""
+    for module, name in mask_kernel_site():
+        setattr(module, name, cpu_bitmask)
