@@ -4,15 +4,20 @@ the server's ``response_format`` (a JSON schema), on ours and on the control.
 The processors are our own (tests/lib/json_mask.py): one that changes nothing, one that allows only
 the ids of a fixed JSON document in order, and a mask that keeps the answer a prefix of one of a
 schema's listed documents. Expected values: transformers' recorded greedy answers (a processor that
-changes nothing must give them), the tokenizer's ids of the fixed document, the schema itself.
-The control (mlx-vlm's own qwen3_vl, scripts/_lib/control.py) has no tokenizer: its ids 32..126 are
-read as ASCII characters, and it is driven through the pin's ``generate_step``.
+changes nothing must give them) and prefill logits (the best allowed digit), the tokenizer's ids of
+the fixed document, the schema itself. The control (mlx-vlm's own qwen3_vl,
+scripts/_lib/control.py) has no tokenizer: its ids 32..126 are read as ASCII characters, and it is
+driven through the pin's ``generate_step``.
+
+mlx-vlm 0.3.x's ``generate_step`` has no ``logits_processors`` and hands them to the model: ours
+refuses them by name, the control ignores them.
 
 mlx-vlm's own ``response_format`` support (``mlx_vlm.structured``, 0.6+) masks the logits with
 llguidance through an MLX Metal kernel (0.6.3: llguidance's own ``llguidance.mlx`` kernel; 0.6.12
 and 0.7.x: mlx-vlm's). Without Metal it raises ``RuntimeError: [metal_kernel] No Metal back-end.``,
 whatever the model: the server answers 500 (a stream sends an error event), never an unconstrained
-answer. With that one kernel replaced by a CPU mask, the pin's grammar runs on ours.
+answer. With that one kernel replaced by a CPU mask (in process, or in the server through a
+``sitecustomize``), the pin's grammar and server path run on ours.
 """
 
 from __future__ import annotations
