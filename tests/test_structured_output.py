@@ -387,22 +387,35 @@ def _server_has_response_format() -> bool:
     return PIN_STRUCTURED and any("_build_structured_logits_processors" in f.read_text() for f in files)
 
 
+def _chat_route() -> str:
+    """The pin's chat-completions route (0.3.x serves it without the /v1 prefix)."""
+    from mlx_vlm import server
+
+    path = pathlib.Path(server.__file__)
+    files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
+    return (
+        "/v1/chat/completions" if any('"/v1/chat/completions"' in f.read_text() for f in files) else "/chat/completions"
+    )
+
+
 def _post(server, body: dict) -> tuple:
     try:
-        with urllib.request.urlopen(server.request(body), timeout=120) as r:
+        with urllib.request.urlopen(server.request(body, route=_chat_route()), timeout=120) as r:
             return r.status, r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode("utf-8", "replace")
 
 
-def _server(tmp_path, *paths: str):
+def _server(tmp_path, *paths: str, structured: bool = True):
     """The default checkpoint served by ``python -m compass_compat server``, this tree (and
-    ``paths``) first on its PYTHONPATH."""
-    from tests.lib.server import ROUTE, Server
+    ``paths``) first on its PYTHONPATH; skipped unless the pin's server has response_format
+    (``structured``) or has none (``structured=False``)."""
+    from tests.lib.server import Server
 
-    if not _server_has_response_format():
+    if structured and not _server_has_response_format():
         pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
-    assert ROUTE == "/v1/chat/completions"
+    if not structured and _server_has_response_format():
+        pytest.skip("this mlx-vlm's server has response_format (tested above)")
     path = os.pathsep.join(p for p in (*paths, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", env={"PYTHONPATH": path})
 
@@ -465,5 +478,20 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
         assert status == 200 and not any("error" in e for e in events), text
         streamed = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
         assert streamed == answer
+    finally:
+        server.stop()
+
+
+def test_server_without_response_format_ignores_it(tmp_path):
+    """A pin whose server has no response_format (0.3.x, 0.4.x) accepts the field (its request
+    models allow extra fields) and answers unconstrained: transformers' plain answer, not JSON.
+    The field never reaches the model, so only the pin could refuse it."""
+    server = _server(tmp_path, structured=False)
+    case = TOY_REFERENCE["text_only"][0]
+    try:
+        server.wait_ready()
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
+        assert status == 200, (text, server.tail())
+        assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
     finally:
         server.stop()
