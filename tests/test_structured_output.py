@@ -1,0 +1,497 @@
+"""Structured output: ``logits_processors`` through mlx-vlm's ``generate`` / ``stream_generate``, and
+the server's ``response_format`` (a JSON schema), on ours and on the control.
+
+The processors are our own (tests/lib/json_mask.py): one that changes nothing, one that allows only
+the ids of a fixed JSON document in order, and a mask that keeps the answer a prefix of one of a
+schema's listed documents. Expected values: transformers' recorded greedy answers (a processor that
+changes nothing must give them) and prefill logits (the best allowed digit), the tokenizer's ids of
+the fixed document, the schema itself. The control (mlx-vlm's own qwen3_vl,
+scripts/_lib/control.py) has no tokenizer: its ids 32..126 are read as ASCII characters, and it is
+driven through the pin's ``generate_step``.
+
+mlx-vlm 0.3.x's ``generate_step`` has no ``logits_processors`` and hands them to the model: ours
+refuses them by name, the control ignores them.
+
+mlx-vlm's own ``response_format`` support (``mlx_vlm.structured``, 0.6+) masks the logits with
+llguidance through an MLX Metal kernel (0.6.3: llguidance's own ``llguidance.mlx`` kernel; 0.6.12
+and 0.7.x: mlx-vlm's). Without Metal it raises ``RuntimeError: [metal_kernel] No Metal back-end.``,
+whatever the model: the server answers 500 (a stream sends an error event), never an unconstrained
+answer. With that one kernel replaced by a CPU mask (in process, or in the server through a
+``sitecustomize``), the pin's grammar and server path run on ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import pathlib
+import urllib.error
+import urllib.request
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from compass_data import toy
+from scripts._lib import mlx_vlm_run
+from tests.lib.json_mask import (
+    DIGIT_SCHEMA,
+    SCHEMA,
+    ChoiceMask,
+    FixedIds,
+    Identity,
+    byte_pieces,
+    check_calls,
+    cpu_bitmask,
+    documents,
+    mask_kernel_site,
+    matches,
+    tokenizer_pieces,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOY_REFERENCE = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
+DEMO = ROOT / "compass_compat" / "assets" / "demo.png"
+FIXED = '{"shape": "square", "count": 2}'
+MAX_TOKENS = 40  # more than any listed document takes, so each answer ends at its EOS
+NO_METAL = "[metal_kernel] No Metal back-end"
+
+
+def _generate_step():
+    return importlib.import_module("mlx_vlm.generate").generate_step
+
+
+HAS_PROCESSORS = "logits_processors" in inspect.signature(_generate_step()).parameters
+PIN_STRUCTURED = importlib.util.find_spec("mlx_vlm.structured") is not None
+needs_processors = pytest.mark.skipif(
+    not HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes no logits_processors (0.3.x)"
+)
+without_processors = pytest.mark.skipif(
+    HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes logits_processors (tested above)"
+)
+needs_pin_structured = pytest.mark.skipif(
+    not PIN_STRUCTURED, reason="this mlx-vlm has no mlx_vlm.structured (response_format came in 0.6)"
+)
+cpu_only = pytest.mark.skipif(mx.metal.is_available(), reason="measures the pin's Metal-only mask on a CPU")
+
+
+# --------------------------------------------------------------------------- ours
+class Ours:
+    """A checkpoint of ours loaded by mlx-vlm: its tokenizer's pieces over the model's logits."""
+
+    def __init__(self, folder: pathlib.Path):
+        config = json.loads((folder / "config.json").read_text())
+        self.vocab = config["text_config"]["vocab_size"]
+        eos = config["eos_token_id"]
+        self.eos = list(eos) if isinstance(eos, list) else [eos]
+        self.loaded = mlx_vlm_run.load(str(folder))
+        self.tokenizer = self.loaded[1].tokenizer
+        self.pieces = tokenizer_pieces(self.tokenizer, self.vocab)
+        self.fed: List[np.ndarray] = []
+
+    def prompt(self, text: str, images: List[str]) -> str:
+        return mlx_vlm_run.chat_prompt(self.loaded, text, len(images))
+
+    def stream(self, prompt: str, images: List[str], processors=None) -> List[int]:
+        """Greedy ids of ``stream_generate``; the ids the model was fed go to ``self.fed``."""
+        self.fed = []
+        kwargs = {} if processors is None else {"logits_processors": processors}
+        return mlx_vlm_run.greedy_ids(self.loaded, prompt, images, MAX_TOKENS, fed=self.fed, **kwargs)
+
+    def prompt_ids(self) -> List[int]:
+        return self.fed[-1]["input_ids"].reshape(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt_original) -> Ours:
+    from tests.lib.vendored import vendored
+
+    vendored()
+    return Ours(tiny_ckpt_original)
+
+
+@pytest.fixture(scope="module")
+def default(tiny) -> Ours:  # after `tiny`, which skips where upstream's cohere_compass is live
+    return Ours(toy.ensure_default_checkpoint())
+
+
+def _cut_at_eos(ids, eos: List[int]) -> List[int]:
+    """``ids`` up to and with the first end-of-sequence id (stream_generate hands that one out)."""
+    ids = [int(i) for i in ids]
+    end = next((k for k, i in enumerate(ids) if i in eos), None)
+    return ids if end is None else ids[: end + 1]
+
+
+@needs_processors
+@pytest.mark.parametrize("name", ["text_short", "img_448"])
+def test_identity_processor_gives_the_reference_greedy_tiny(tiny, reference, fixture_images, name):
+    """A processor that changes nothing: the ids are transformers' greedy ids, as without it."""
+    case = reference(name)
+    images = [str(fixture_images[f]) for f in case["meta"]["images"]]
+    want = _cut_at_eos(case["greedy_ids"], tiny.eos)
+    plain = tiny.stream(case["meta"]["prompt"], images)
+    identity = Identity()
+    got = tiny.stream(case["meta"]["prompt"], images, [identity])
+    assert tiny.prompt_ids() == case["input_ids"].reshape(-1).tolist()
+    assert got == plain
+    assert got[: len(want)] == want[: len(got)] and len(got) >= min(len(want), MAX_TOKENS)
+    check_calls(identity, case["input_ids"].reshape(-1).tolist(), got, tiny.vocab, tiny.eos)
+
+
+@needs_processors
+@pytest.mark.parametrize("question", ["Say hello.", "describe", "count"])
+def test_identity_processor_gives_the_reference_answer_default(default, question):
+    """The default checkpoint: transformers' recorded answer (text, or a question on the demo)."""
+    if question in TOY_REFERENCE["demo"]:
+        case, images = TOY_REFERENCE["demo"][question], [str(DEMO)]
+    else:
+        case, images = next(c for c in TOY_REFERENCE["text_only"] if c["prompt"] == question), []
+    prompt = default.prompt(case["prompt"], images)
+    identity = Identity()
+    got = default.stream(prompt, images, [identity])
+    assert got == _cut_at_eos(case["ids"], default.eos)
+    check_calls(identity, default.prompt_ids(), got, default.vocab, default.eos)
+
+
+@needs_processors
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_fixed_document_through_generate(request, which):
+    """``generate`` with a processor that allows only the tokenizer's ids of FIXED, then EOS: the
+    text is FIXED, which parses and matches the schema."""
+    from mlx_vlm import generate
+
+    ours: Ours = request.getfixturevalue(which)
+    target = ours.tokenizer.encode(FIXED, add_special_tokens=False)
+    assert ours.tokenizer.decode(target) == FIXED
+    fixed = FixedIds(target, ours.eos)
+    prompt = ours.prompt("Describe this picture as JSON.", [str(DEMO)])
+    result = generate(
+        *ours.loaded, prompt, image=[str(DEMO)], max_tokens=MAX_TOKENS, temperature=0.0, logits_processors=[fixed]
+    )
+    text = getattr(result, "text", result)
+    assert text == FIXED
+    assert matches(SCHEMA, json.loads(text))
+    prompt_length = len(fixed.calls[0].context)
+    assert fixed.calls[-1].context[prompt_length:] == target + ours.eos[:1]
+    check_calls(fixed, fixed.calls[0].context, target, ours.vocab, ours.eos)
+
+
+@needs_processors
+@pytest.mark.parametrize(
+    "which, text, with_image",
+    [
+        ("tiny", "Hello there!", False),
+        ("tiny", "What is in the picture?", True),
+        ("default", "describe", True),
+        ("default", "How many shapes are there? Answer in JSON.", False),
+    ],
+)
+def test_schema_mask_through_stream_generate(request, which, text, with_image):
+    """The schema mask: the answer parses and matches the schema; each sampled id was allowed."""
+    ours: Ours = request.getfixturevalue(which)
+    text = TOY_REFERENCE["demo"].get(text, {}).get("prompt", text)
+    images = [str(DEMO)] if with_image else []
+    mask = ChoiceMask(documents(), ours.pieces, ours.eos)
+    ids = ours.stream(ours.prompt(text, images), images, [mask])
+    answer = ours.tokenizer.decode(ids, skip_special_tokens=True)
+    assert answer in documents() and matches(SCHEMA, json.loads(answer))
+    check_calls(mask, ours.prompt_ids(), ids, ours.vocab, ours.eos)
+    assert mask.calls[-1].context[-1] in ours.eos  # stopped at its end of sequence, not max_tokens
+
+
+@needs_processors
+@pytest.mark.parametrize("name", ["text_short", "img_448"])
+def test_digit_document_takes_the_references_best_digit(tiny, reference, fixture_images, name):
+    """A one-digit document: the digit is the best of the ten by transformers' recorded logits of
+    the prompt's last position (independent of ours), then EOS."""
+    case = reference(name)
+    images = [str(fixture_images[f]) for f in case["meta"]["images"]]
+    mask = ChoiceMask(documents(DIGIT_SCHEMA), tiny.pieces, tiny.eos)
+    ids = tiny.stream(case["meta"]["prompt"], images, [mask])
+    allowed = mask.calls[0].allowed
+    assert sorted(tiny.pieces[i] for i in allowed) == [str(d) for d in range(10)]
+    want = allowed[int(np.argmax(case["prefill_logits"][-1][allowed]))]
+    assert ids[0] == want and ids[1:] == tiny.eos[:1]
+    answer = tiny.tokenizer.decode(ids, skip_special_tokens=True)
+    assert matches(DIGIT_SCHEMA, json.loads(answer))
+
+
+# --------------------------------------------------------------------------- the control
+@pytest.fixture(scope="module")
+def control(control_ckpt):
+    from scripts._lib.control import load_control
+
+    return load_control(control_ckpt)
+
+
+def _control_ids(model, inputs: Dict, processors=None, steps: int = MAX_TOKENS) -> List[int]:
+    """The pin's ``generate_step`` (greedy) on the control, stopped after its EOS as generate does."""
+    from scripts._lib.control import EOS_ID, fresh_state
+
+    fresh_state(model)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "mask")}
+    if processors is not None:
+        extra["logits_processors"] = processors
+    stream = _generate_step()(
+        inputs["input_ids"],
+        model,
+        inputs.get("pixel_values"),
+        inputs["mask"],
+        max_tokens=steps,
+        temperature=0.0,
+        **extra,
+    )
+    ids: List[int] = []
+    for token, _ in stream:
+        ids.append(int(np.asarray(token).reshape(-1)[0]))
+        if ids[-1] == EOS_ID:
+            break
+    return ids
+
+
+@needs_processors
+@pytest.mark.parametrize("case", ["text_short", "image"])
+def test_control_identity_processor(control, case):
+    from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt, one_shot_greedy
+
+    inputs = control_prompt(case)
+    identity = Identity()
+    got = _control_ids(control, inputs, [identity], steps=12)
+    assert got == _control_ids(control, inputs, steps=12)
+    assert got == one_shot_greedy(control, inputs, 12)[: len(got)]
+    check_calls(identity, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), got, VOCAB_SIZE, [EOS_ID])
+
+
+@needs_processors
+@pytest.mark.parametrize("case", ["text_short", "image"])
+def test_control_fixed_document(control, case):
+    from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt
+
+    inputs = control_prompt(case)
+    fixed = FixedIds([ord(c) for c in FIXED], [EOS_ID])
+    ids = _control_ids(control, inputs, [fixed])
+    assert ids[-1] == EOS_ID and "".join(map(chr, ids[:-1])) == FIXED
+    check_calls(fixed, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
+
+
+@needs_processors
+@pytest.mark.parametrize("case", ["text_short", "image"])
+def test_control_schema_mask(control, case):
+    from scripts._lib.control import EOS_ID, TEXT_ID_LIMIT, VOCAB_SIZE, control_prompt
+
+    inputs = control_prompt(case)
+    mask = ChoiceMask(documents(), byte_pieces(VOCAB_SIZE, TEXT_ID_LIMIT), [EOS_ID])
+    ids = _control_ids(control, inputs, [mask])
+    assert ids[-1] == EOS_ID
+    answer = "".join(map(chr, ids[:-1]))
+    assert answer in documents() and matches(SCHEMA, json.loads(answer))
+    check_calls(mask, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
+
+
+# --------------------------------------------------------------------------- pins without processors
+@without_processors
+def test_no_processors_pin_refuses_by_name_ours(tiny):
+    """0.3.x's generate_step hands ``logits_processors`` on to the model's forward pass: ours
+    refuses them by name (the control ignores them, below)."""
+    prompt = tiny.tokenizer.encode(tiny.prompt("Hello there!", []), add_special_tokens=False)
+    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
+    steps = _generate_step()(mx.array([prompt]), tiny.loaded[0], None, None, logits_processors=[fixed])
+    with pytest.raises(TypeError, match="logits_processors reached cohere_compass"):
+        next(steps)
+    assert not fixed.calls
+
+
+@without_processors
+@cpu_only
+def test_no_processors_pin_swallows_the_refusal_on_cpu(tiny):
+    """0.3.x's stream_generate without Metal ends in ``wired_limit``, whose ``finally: return``
+    drops any exception: the refusal becomes an empty stream (the pin's), not an answer."""
+    from mlx_vlm import stream_generate
+
+    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
+    prompt = tiny.prompt("Hello there!", [])
+    assert list(stream_generate(*tiny.loaded, prompt, max_tokens=8, logits_processors=[fixed])) == []
+
+
+@without_processors
+def test_no_processors_pin_ignores_them_on_the_control(control):
+    """The control's forward pass ignores the unknown option: an unconstrained answer, the
+    processor never called (the pin's design; ours refuses)."""
+    from scripts._lib.control import EOS_ID, control_prompt
+
+    inputs = control_prompt("text_short")
+    fixed = FixedIds([ord(c) for c in FIXED], [EOS_ID])
+    got = _control_ids(control, inputs, [fixed], steps=12)
+    assert not fixed.calls and got == _control_ids(control, inputs, steps=12)
+
+
+# --------------------------------------------------------------------------- the pin's llguidance mask
+def _pin_processor(tokenizer):
+    from mlx_vlm.structured import build_json_schema_logits_processor
+
+    return build_json_schema_logits_processor(tokenizer, SCHEMA)
+
+
+@needs_pin_structured
+@cpu_only
+def test_pin_mask_needs_metal_ours(tiny):
+    prompt = tiny.prompt("Hello there!", [])
+    with pytest.raises(RuntimeError, match=NO_METAL.replace("[", r"\[").replace("]", r"\]")):
+        tiny.stream(prompt, [], [_pin_processor(tiny.tokenizer)])
+
+
+@needs_pin_structured
+@cpu_only
+def test_pin_mask_needs_metal_control(control, tiny_ckpt_original):
+    """The same error on mlx-vlm's own model: the pin's kernel, not the model. (The control has no
+    tokenizer; the tiny one builds the grammar: the kernel fails before any id is read.)"""
+    from transformers import AutoTokenizer
+
+    from scripts._lib.control import control_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_ckpt_original))
+    with pytest.raises(RuntimeError, match=NO_METAL.replace("[", r"\[").replace("]", r"\]")):
+        _control_ids(control, control_prompt("text_short"), [_pin_processor(tokenizer)])
+
+
+@pytest.fixture
+def cpu_mask(monkeypatch):
+    """The pin's Metal mask replaced by a CPU one (tests/lib/json_mask.py ``cpu_bitmask``), so the
+    rest of its structured path runs here."""
+    for module, name in mask_kernel_site():
+        monkeypatch.setattr(module, name, cpu_bitmask)
+
+
+@needs_pin_structured
+@pytest.mark.parametrize("which, with_image", [("tiny", False), ("default", True)])
+def test_pin_grammar_with_a_cpu_mask(request, cpu_mask, which, with_image):
+    """The pin's llguidance grammar for SCHEMA over our tokenizer and padded logits: the answer
+    parses and matches the schema."""
+    ours: Ours = request.getfixturevalue(which)
+    images = [str(DEMO)] if with_image else []
+    ids = ours.stream(ours.prompt("Describe this picture as JSON.", images), images, [_pin_processor(ours.tokenizer)])
+    answer = ours.tokenizer.decode(_cut_at_eos(ids, ours.eos), skip_special_tokens=True)
+    assert matches(SCHEMA, json.loads(answer)), answer
+
+
+# --------------------------------------------------------------------------- the server
+def _server_has_response_format() -> bool:
+    from mlx_vlm import server
+
+    path = pathlib.Path(server.__file__)
+    files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
+    return PIN_STRUCTURED and any("_build_structured_logits_processors" in f.read_text() for f in files)
+
+
+def _chat_route() -> str:
+    """The pin's chat-completions route (0.3.x serves it without the /v1 prefix)."""
+    from mlx_vlm import server
+
+    path = pathlib.Path(server.__file__)
+    files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
+    return (
+        "/v1/chat/completions" if any('"/v1/chat/completions"' in f.read_text() for f in files) else "/chat/completions"
+    )
+
+
+def _post(server, body: dict) -> tuple:
+    try:
+        with urllib.request.urlopen(server.request(body, route=_chat_route()), timeout=120) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode("utf-8", "replace")
+
+
+def _server(tmp_path, *paths: str, structured: bool = True):
+    """The default checkpoint served by ``python -m compass_compat server``, this tree (and
+    ``paths``) first on its PYTHONPATH; skipped unless the pin's server has response_format
+    (``structured``) or has none (``structured=False``)."""
+    from tests.lib.server import Server
+
+    if structured and not _server_has_response_format():
+        pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
+    if not structured and _server_has_response_format():
+        pytest.skip("this mlx-vlm's server has response_format (tested above)")
+    path = os.pathsep.join(p for p in (*paths, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", env={"PYTHONPATH": path})
+
+
+def _chat(server, text: str, **extra) -> dict:
+    return dict(
+        {
+            "model": server.model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "stream": False,
+        },
+        **extra,
+    )
+
+
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": SCHEMA}}
+
+
+@cpu_only
+def test_server_response_format_on_cpu(tmp_path):
+    """A JSON-schema request: 500 naming the missing Metal back-end (a stream: one error event and
+    no text), never an unconstrained answer; the same request without response_format answers."""
+    server = _server(tmp_path)
+    case = TOY_REFERENCE["text_only"][0]
+    try:
+        server.wait_ready()
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
+        assert status == 500 and NO_METAL in json.loads(text)["detail"], (status, text, server.tail())
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT, stream=True))
+        events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
+        assert status == 200 and len(events) == 1 and NO_METAL in events[0]["error"], (status, text)
+        status, text = _post(server, _chat(server, case["prompt"]))
+        assert status == 200, (text, server.tail())
+        assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
+    finally:
+        server.stop()
+
+
+def test_server_response_format_with_a_cpu_mask(tmp_path):
+    """The server's own structured path (llguidance grammar, its batch generator's processors) on
+    ours, with only the Metal mask swapped for the CPU one (a sitecustomize in the server): the
+    answer, whole or streamed, parses and matches the schema."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from tests.lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
+    )
+    server = _server(tmp_path, str(site))
+    prompt = TOY_REFERENCE["demo"]["describe"]["prompt"]
+    try:
+        server.wait_ready()
+        status, text = _post(server, _chat(server, prompt, response_format=RESPONSE_FORMAT))
+        assert status == 200, (text, server.tail())
+        answer = json.loads(text)["choices"][0]["message"]["content"]
+        assert matches(SCHEMA, json.loads(answer)), answer
+        status, text = _post(server, _chat(server, prompt, response_format=RESPONSE_FORMAT, stream=True))
+        events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
+        assert status == 200 and not any("error" in e for e in events), text
+        streamed = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+        assert streamed == answer
+    finally:
+        server.stop()
+
+
+def test_server_without_response_format_ignores_it(tmp_path):
+    """A pin whose server has no response_format (0.3.x, 0.4.x) accepts the field (its request
+    models allow extra fields) and answers unconstrained: transformers' plain answer, not JSON.
+    The field never reaches the model, so only the pin could refuse it."""
+    server = _server(tmp_path, structured=False)
+    case = TOY_REFERENCE["text_only"][0]
+    try:
+        server.wait_ready()
+        status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
+        assert status == 200, (text, server.tail())
+        assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
+    finally:
+        server.stop()
