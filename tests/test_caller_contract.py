@@ -26,12 +26,14 @@ from tests.lib.contract import (
     has_batch_caches,
     item_interleaved,
     item_lm_chunks,
+    item_merged,
     item_model_chunks,
     item_one_row_batch,
     item_restored,
     item_whole,
     last,
     make_cache,
+    make_cache_class,
     reference_case,
 )
 from tests.lib.vendored import vendored
@@ -300,3 +302,11 @@ def test_vmlx_finds_a_full_attention_layer(model):
     assert isinstance(index, int)
     assert model.language_model.layers[index].layer_type == "full_attention"
     assert all(layer.layer_type != "full_attention" for layer in model.language_model.layers[:index])
+
+
+@pytest.mark.skipif(not hasattr(make_cache_class(), "merge"), reason="this pin's caches have no merge")
+def test_requests_merged_into_one_batch_cache_keep_their_own_delta(model, cases):
+    """Rapid-MLX's default batching: requests prefilled alone, their caches merged into one batch
+    cache and decoded with nothing but the cache; a row finishes (filter), another is taken
+    out and decoded alone (extract). Each row's delta travels with its row."""
+    item_merged(model, [cases["text_long"], cases["img_448"], cases["img_two"], cases["text_short"]])

@@ -22,10 +22,12 @@ from tests.lib.contract import (
     has_batch_caches,
     item_interleaved,
     item_lm_chunks,
+    item_merged,
     item_model_chunks,
     item_one_row_batch,
     item_restored,
     item_whole,
+    make_cache_class,
 )
 
 ALL = ["text_short", "text_long", "image", "two_images"]
@@ -71,6 +73,7 @@ CONTROL_FAILS: Dict[str, Tuple[str, ...]] = {
         "text_suffix_after_a_restored_image_prefix[two_images-primed]",
         "two_requests_decoded_in_turn_keep_their_own_delta[neither]",
         "two_requests_decoded_in_turn_keep_their_own_delta[rope_deltas]",
+        "requests_merged_into_one_batch_cache_keep_their_own_delta",
     ),
     "0.6.3": (
         "whole_prefill_then_decode[image-vmlx]",
@@ -78,6 +81,7 @@ CONTROL_FAILS: Dict[str, Tuple[str, ...]] = {
         "prefill_in_chunks_with_the_whole_prompts_kwargs[image]",
         "prefill_in_chunks_with_the_whole_prompts_kwargs[two_images]",
         "two_requests_decoded_in_turn_keep_their_own_delta[neither]",
+        "requests_merged_into_one_batch_cache_keep_their_own_delta",
     ),
     "0.6.12": (
         "whole_prefill_then_decode[image-vmlx]",
@@ -95,6 +99,7 @@ CONTROL_FAILS: Dict[str, Tuple[str, ...]] = {
         "text_suffix_after_a_restored_image_prefix[two_images-model-call]",
         "text_suffix_after_a_restored_image_prefix[two_images-primed]",
         "two_requests_decoded_in_turn_keep_their_own_delta[neither]",
+        "requests_merged_into_one_batch_cache_keep_their_own_delta",
     ),
 }
 CONTROL_FAILS["0.7.10"] = CONTROL_FAILS["0.6.12"]
@@ -164,3 +169,8 @@ def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name)
 @pytest.mark.parametrize("style", ["neither", "rope_deltas"])
 def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
     item_interleaved(model, cases["image"], cases["text_long"], style)
+
+
+@pytest.mark.skipif(not hasattr(make_cache_class(), "merge"), reason="this pin's caches have no merge")
+def test_requests_merged_into_one_batch_cache_keep_their_own_delta(model, cases):
+    item_merged(model, [cases["text_long"], cases["image"], cases["two_images"], cases["text_short"]])

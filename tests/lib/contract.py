@@ -275,3 +275,46 @@ def item_interleaved(model, picture: Case, text: Case, style: str) -> None:
             rows[case.name].append(last(DECODES[style](model, caches[case.name], case.greedy[step], case, step)))
     check(picture, rows[picture.name], f"interleaved ({style})")
     check(text, rows[text.name], f"interleaved ({style})")
+
+
+def merge_caches(caches: List[List[Any]]) -> List[Any]:
+    """Rapid-MLX and mlx-lm's batch generator: each layer's request caches merged into one batch
+    cache by the first request's cache class (``cache[i].merge([...])``)."""
+    return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+
+def item_merged(model, cases: List[Case], finish_at: int = 3, extract_at: int = 6) -> None:
+    """Requests prefilled alone on caches of their own, merged into one batch cache and decoded
+    together with nothing but the cache (Rapid-MLX's default batching). At step ``finish_at``
+    the first row finishes (``filter``); at ``extract_at`` the last row is taken out of the
+    batch (``extract``) and decoded alone to the end, the others in the batch."""
+    caches = [make_cache(model) for _ in cases]
+    rows: List[List[np.ndarray]] = [[prefill_whole(model, c, cache)] for c, cache in zip(cases, caches)]
+    batch = merge_caches(caches)
+    live = list(range(len(cases)))
+    alone: Optional[List[Any]] = None
+    for step in range(STEPS - 1):
+        if step == finish_at:
+            live = live[1:]
+            for c in batch:
+                c.filter(mx.array(list(range(1, len(live) + 1)), dtype=mx.int32))
+        if step == extract_at:
+            alone = [c.extract(len(live) - 1) for c in batch]
+            for c in batch:
+                c.filter(mx.array(list(range(len(live) - 1)), dtype=mx.int32))
+        batched = live[:-1] if alone is not None else live
+        if batched:
+            out = model.language_model(mx.array([[cases[i].greedy[step]] for i in batched]), cache=batch)
+            for row, i in enumerate(batched):
+                rows[i].append(np.array(out.logits[row, -1]))
+        if alone is not None:
+            rows[live[-1]].append(last(model.language_model(mx.array([[cases[live[-1]].greedy[step]]]), cache=alone)))
+    for i, case in enumerate(cases):
+        check(case, rows[i], "merged batch")
+
+
+def make_cache_class() -> type:
+    """The request cache class mlx-vlm's generate makes on this pin (``merge`` where it batches)."""
+    from mlx_vlm.models.cache import KVCache
+
+    return KVCache

@@ -4,6 +4,7 @@ interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -259,14 +260,88 @@ class CompassTextModel(nn.Module):
         return self.norm(h)
 
 
+def _delta_rows(cache: Any) -> Optional[mx.array]:
+    """The rope delta kept with ``cache`` as one value per row (``[rows]``), or None."""
+    delta = getattr(cache, STORED_DELTA, None)
+    if delta is None:
+        return None
+    if isinstance(delta, (int, np.integer)):
+        return mx.array([int(delta)], dtype=mx.int32)
+    return (delta if isinstance(delta, mx.array) else mx.array(np.asarray(delta))).reshape(-1).astype(mx.int32)
+
+
+class _KeepsRowDeltas:
+    """A batch cache made by ``merge`` of this model's request caches: each row's rope delta
+    stays with its row through ``filter``, ``extend`` and ``extract``.
+
+    Hosts that prefill requests one by one, merge their caches into a batch cache and decode
+    with nothing but the cache (Rapid-MLX) would otherwise leave every row with no delta, or
+    with one shared by the module (mlx-vlm's own models), and picture rows would decode at
+    wrong positions."""
+
+    def filter(self, batch_indices: Any) -> None:
+        rows = _delta_rows(self)
+        super().filter(batch_indices)  # type: ignore[misc]
+        if rows is not None:
+            setattr(self, STORED_DELTA, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1))
+
+    def extend(self, other: Any) -> None:
+        mine, theirs = _delta_rows(self), _delta_rows(other)
+        super().extend(other)  # type: ignore[misc]
+        joined = None if mine is None or theirs is None else mx.concatenate([mine, theirs]).reshape(-1, 1)
+        setattr(self, STORED_DELTA, joined)
+
+    def extract(self, idx: int) -> Any:
+        rows = _delta_rows(self)
+        single = super().extract(idx)  # type: ignore[misc]
+        if rows is not None:
+            own = _REQUEST_CACHES.get(type(single))
+            if own is not None:
+                single.__class__ = own  # same state; keeps merge (and to_quantized) ours
+            setattr(single, STORED_DELTA, int(rows[idx].item()))
+        return single
+
+
+def _merged(batch_class: Any, caches: Sequence[Any]) -> Any:
+    """``batch_class.merge(caches)`` with the requests' rope deltas carried into the batch."""
+    batch = batch_class.merge(caches)
+    rows = [_delta_rows(c) for c in caches]
+    if all(r is not None for r in rows):
+        setattr(batch, STORED_DELTA, mx.concatenate(rows).reshape(-1, 1))
+    return batch
+
+
+# The pin's batch class for merged rotating caches (mlx-lm's before mlx-vlm 0.6). Only layer 0
+# keeps the delta, and it is a sliding layer in the published layout; full-attention layers keep
+# the pin's exact KVCache class, which mlx-vlm's prefix cache matches by exact type.
+_PinBatchRotatingKVCache = getattr(sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None)
+BatchRotatingKVCache = (
+    type("BatchRotatingKVCache", (_KeepsRowDeltas, _PinBatchRotatingKVCache), {"__module__": __name__})
+    if _PinBatchRotatingKVCache is not None and hasattr(_PinRotatingKVCache, "merge")
+    else None
+)
+
+
 class RotatingKVCache(_PinRotatingKVCache):
     """mlx-vlm's rotating cache of a sliding-window layer, kept in float when generate quantizes
     the KV cache (``kv_bits``): its memory is bounded by the window, and mlx-vlm has no quantized
     rotating cache (its ``to_quantized`` raises). Full-attention layers' ``KVCache`` quantize.
+    ``merge`` (where the pin batches) carries each request's rope delta into the batch cache.
     The pin's class name is kept: hosts key caches by it (oMLX's cache type registry)."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
         return self
+
+    if BatchRotatingKVCache is not None:
+
+        @classmethod
+        def merge(cls, caches: Sequence[Any], prefix_lens: Optional[Sequence[int]] = None) -> Any:
+            # prefix_lens: mlx-vlm's prefix cache passes it to caches' own merge; rows are whole here.
+            return _merged(BatchRotatingKVCache, caches)
+
+
+# What ``extract`` of a batch cache returns (the pin's class) -> this model's request cache.
+_REQUEST_CACHES = {_PinRotatingKVCache: RotatingKVCache}
 
 
 class LanguageModel(nn.Module):
