@@ -22,12 +22,14 @@ import importlib.metadata
 import pathlib
 from typing import Any, Dict, List, Tuple
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from compass_data import shapes, toy
-from scripts._lib import mlx_vlm_run
-from tests.lib.conversations import Turn, primes_a_restored_prefix, prompt_cache_state_class, run_turn
+from scripts._lib import control, mlx_vlm_run
+from tests.lib import contract
+from tests.lib.conversations import IdsOnly, Turn, primes_a_restored_prefix, prompt_cache_state_class, run_turn
 from tests.lib.vendored import vendored
 
 vendored()
@@ -145,19 +147,14 @@ def ours(loaded, pictures, name: str, reuse: Dict[str, Any]) -> List[Tuple[Turn,
     return out
 
 
-# Measured: on 0.4.4 a text turn after a picture turn answers otherwise than uncached (cause not
-# yet established: the pin's own trim of a reused cache, or the model).
-STATE_FAILS = {"0.4.4": ("picture-text-picture",)}
 # Measured: on 0.6.3 a request that extends an earlier one reuses its prefix and answers otherwise
-# than uncached (cause not yet established; the control is not yet run here).
+# than uncached; the control given this model's cache layout does the same (the pin's: below).
 APC_FAILS = {"0.6.3": ("picture-text-picture", "text-only")}
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_multi_turn_prompt_cache_state_gives_the_uncached_answers(loaded, pictures, name, monkeypatch, request):
+def test_multi_turn_prompt_cache_state_gives_the_uncached_answers(loaded, pictures, name, monkeypatch):
     """``stream_generate(..., prompt_cache_state=)`` as ``mlx_vlm.chat`` keeps it across turns."""
-    if name in STATE_FAILS.get(VERSION, ()):
-        request.applymarker(pytest.mark.xfail(reason=f"measured on mlx-vlm {VERSION}", strict=True))
     for turn, (cached, fresh) in enumerate(ours(loaded, pictures, name, reuse_kwargs("state", monkeypatch))):
         check_turn(f"{name} turn {turn}", expected_reuse(name, turn), cached, fresh, REFUSAL.get(name, ""))
 
@@ -169,8 +166,7 @@ def test_automatic_prefix_cache_gives_the_uncached_answers(loaded, pictures, nam
     manager's whole-prefix ("exact") mode; which requests reuse a prefix differs by pin (0.6.12: a
     repeated request; 0.6.3 and 0.7.10: also one that extends an earlier one). Every answer must
     be the uncached one, and at least one request of the conversation must reuse a prefix."""
-    if name in APC_FAILS.get(VERSION, ()):
-        request.applymarker(pytest.mark.xfail(reason=f"measured on mlx-vlm {VERSION}", strict=True))
+    xfail_where_measured(request, APC_FAILS, name)
     reuse = reuse_kwargs("apc", monkeypatch)
     model, processor = loaded
     reused = 0
@@ -191,3 +187,201 @@ def test_automatic_prefix_cache_gives_the_uncached_answers(loaded, pictures, nam
             {"role": "assistant", "content": processor.tokenizer.decode(fresh.ids, skip_special_tokens=True)}
         )
     assert reused, f"{name}: the automatic prefix cache reused no prefix in any request"
+
+
+# -------------------------------------------------------------------------------- the control
+
+CONTROL_GRIDS = {"demo": (1, 4, 6), "scene": (1, 6, 4)}
+CONTROL_TEXT = 20  # text ids per turn: the pins store the control's cache in blocks of 16
+
+
+@pytest.fixture(scope="module")
+def control_model(control_ckpt):
+    return control.load_control(control_ckpt)
+
+
+def control_turn(model, ids: List[int], pictures: List[str], **reuse: Any) -> Turn:
+    """One request of the control on ``ids``; without ``reuse``, on a freshly reset model."""
+    kwargs: Dict[str, Any] = dict(input_ids=mx.array([ids], dtype=mx.int32), mask=mx.ones((1, len(ids)), mx.int32))
+    if pictures:
+        grids = [CONTROL_GRIDS[p] for p in pictures]
+        rows = [control.random_pixels([CONTROL_GRIDS[p]], seed=i) for i, p in enumerate(pictures)]
+        kwargs.update(pixel_values=mx.array(np.concatenate(rows)), image_grid_thw=mx.array(grids, dtype=mx.int32))
+    if not reuse:
+        control.fresh_state(model)
+    return run_turn(model, IdsOnly(control.EOS_ID), "", MAX_TOKENS, **kwargs, **reuse)
+
+
+def control_conversation(model, name: str, reuse: Dict[str, Any], sends: int = 1) -> List[Tuple[Turn, ...]]:
+    """The conversation ``name`` in the control's ids, as :func:`ours` runs it: each turn its
+    text ids (seeded) and its pictures' blocks; the next turn follows the uncached answer (up to
+    its first special id). Each turn: the uncached run, then ``sends`` runs with ``reuse``."""
+    rng = np.random.default_rng(7)
+    ids: List[int] = []
+    pictures: List[str] = []
+    out = []
+    for _, added in CONVERSATIONS[name]:
+        for picture in added:
+            ids += [control.VISION_START_ID] + [control.IMAGE_ID] * control.image_token_count(CONTROL_GRIDS[picture])
+            ids += [control.VISION_END_ID]
+        pictures += added
+        ids += rng.integers(1, control.TEXT_ID_LIMIT, size=CONTROL_TEXT).tolist()
+        runs = [control_turn(model, ids, pictures, **reuse) for _ in range(sends)]
+        fresh = control_turn(model, ids, pictures)
+        out.append((fresh, *runs))
+        special = [i for i, t in enumerate(fresh.ids) if t >= control.TEXT_ID_LIMIT]
+        ids += fresh.ids[: special[0]] if special else fresh.ids
+    return out
+
+
+def xfail_where_measured(request, table: Dict[str, Tuple[str, ...]], name: str) -> None:
+    if name in table.get(VERSION, ()):
+        request.applymarker(pytest.mark.xfail(reason=f"measured on mlx-vlm {VERSION}", strict=True))
+
+
+# The control's failures per pin, measured (tests with --runxfail); each a strict xfail.
+CONTROL_STATE_FAILS: Dict[str, Tuple[str, ...]] = {
+    # qwen3_vl's text embeddings bring positions from 0, which win over the primed ones
+    # (docs/model-contract.md item 2; test_control_contract's restored image prefix).
+    "0.6.12": ("picture-text-picture",),
+    # 0.4.4's qwen3_vl continues a restored prefix at the wrong positions, text prefixes too.
+    "0.4.4": ("picture-text-picture", "text-only"),
+}
+CONTROL_APC_FAILS: Dict[str, Tuple[str, ...]] = {
+    # Given this model's cache layout, the pin's whole-prefix mode answers otherwise on the
+    # requests it reuses: 0.6.3 stores a snapshot taken after the first answer token went into
+    # the cache under the prompt's ids (so an extending request continues after that token);
+    # on 0.6.12 a repeated request with a picture hits qwen3_vl's restored-image-prefix defect.
+    "0.6.3": ("mixed-picture-text-picture", "mixed-text-only"),
+    "0.6.12": ("mixed-picture-text-picture", "mixed-text-then-picture"),
+}
+# The control's own layout (one KVCache per layer) takes the block mode, which on these pins
+# reuses no prefix that holds a picture (0.7.10 does).
+CONTROL_APC_NOTHING_REUSED: Dict[str, Tuple[str, ...]] = {
+    "0.6.3": ("own-picture-text-picture",),
+    "0.6.12": ("own-picture-text-picture",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_control_multi_turn_prompt_cache_state(control_model, name, request, monkeypatch):
+    xfail_where_measured(request, CONTROL_STATE_FAILS, name)
+    turns = control_conversation(control_model, name, reuse_kwargs("state", monkeypatch))
+    for turn, (fresh, cached) in enumerate(turns):
+        check_turn(f"control {name} turn {turn}", expected_reuse(name, turn), cached, fresh, "")
+
+
+def mixed_layout(model) -> List[Any]:
+    """This model's cache layout on the control: rotating caches (window past these
+    conversations) then one full cache, so the pin's APC takes the same (whole-prefix) mode."""
+    from mlx_vlm.models.cache import KVCache, RotatingKVCache
+
+    layers = len(model.language_model.layers)
+    return [RotatingKVCache(max_size=4096, keep=0) for _ in range(layers - 1)] + [KVCache()]
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("layout", ["own", "mixed"])
+def test_control_automatic_prefix_cache(control_model, layout, name, request, monkeypatch):
+    key = f"{layout}-{name}"
+    xfail_where_measured(request, CONTROL_APC_FAILS, key)
+    reuse = reuse_kwargs("apc", monkeypatch)
+    if layout == "mixed":
+        monkeypatch.setattr(
+            control_model.language_model, "make_cache", lambda: mixed_layout(control_model), raising=False
+        )
+    turns = control_conversation(control_model, name, reuse, sends=2)
+    for turn, (fresh, first, again) in enumerate(turns):
+        check_turn(f"control {key} turn {turn}", "either", first, fresh)
+        check_turn(f"control {key} turn {turn} repeated", "either", again, fresh)
+    reused = any(run.fed < fresh.fed for fresh, *runs in turns for run in runs)
+    assert reused == (key not in CONTROL_APC_NOTHING_REUSED.get(VERSION, ())), f"control {key}: reused: {reused}"
+
+
+# ------------------------------------------------- the model's side, against the recorded reference
+# How each pin hands the model the part of a prompt after a restored prefix, driven by hand on
+# the tiny checkpoint and compared with transformers' recorded logits (tests/lib/contract.py).
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt_original):
+    from mlx_vlm.utils import load_model
+
+    return load_model(tiny_ckpt_original)
+
+
+@pytest.fixture(scope="module")
+def cases(reference) -> Dict[str, contract.Case]:
+    return {name: contract.reference_case(reference, name) for name in ("text_long", "img_448", "img_two")}
+
+
+@pytest.mark.parametrize("name", ["img_448", "img_two"])
+def test_text_suffix_with_its_own_zero_deltas_after_an_image_prefix(tiny, cases, name):
+    """mlx-vlm 0.4.4's PromptCacheState: the suffix's own text embeddings (delta 0) merged into
+    the language model's kwargs; the suffix continues the image prefix's delta."""
+    case = cases[name]
+    contract.item_restored(tiny, case, case.vision_end + 2, "embedded-alone")
+
+
+def primed_positions_suffix(model, case: contract.Case, split: int) -> Tuple[List[Any], np.ndarray]:
+    """mlx-vlm 0.7.x after a prefix-cache trim: the whole prompt's positions from
+    ``get_rope_index`` and its delta passed with every chunk of the suffix."""
+    cache = contract.make_cache(model)
+    types = case.extra.get("mm_token_type_ids")
+    extra = {**case.extra, "mm_token_type_ids": types[:, :split]} if types is not None else case.extra
+    mx.eval(model(case.ids[:, :split], case.pixels, cache=cache, **extra).logits)
+    positions, deltas = model.language_model.get_rope_index(case.ids, case.extra.get("image_grid_thw"), None, None)
+    kwargs: Dict[str, Any] = {"position_ids": positions, "rope_deltas": deltas}
+    suffix = case.ids[:, split:]
+    emb = model.get_input_embeddings(suffix, None, **kwargs)
+    kwargs.update({k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"})
+    out = None
+    for s in range(0, suffix.shape[1], contract.CHUNK):
+        out = model.language_model(
+            suffix[:, s : s + contract.CHUNK],
+            inputs_embeds=emb.inputs_embeds[:, s : s + contract.CHUNK],
+            cache=cache,
+            **kwargs,
+        )
+    return cache, contract.last(out)
+
+
+@pytest.mark.parametrize("name", ["text_long", "img_448", "img_two"])
+def test_suffix_primed_with_the_whole_prompts_positions(tiny, cases, name):
+    """The positions count from the prompt's first token, not from the suffix's first chunk."""
+    case = cases[name]
+    split = case.vision_end + 2 if case.has_image else case.length // 2
+    cache, first = primed_positions_suffix(tiny, case, split)
+    contract.check(case, contract.run_decode(tiny, cache, case, first, contract.decode_plain), "primed positions")
+
+
+def test_whole_prompts_types_and_mask_with_the_suffix(tiny, cases):
+    """mlx-vlm 0.6.x passes the whole prompt's ``mm_token_type_ids`` and mask with the suffix;
+    types that do not mark the suffix's own image tokens are still refused."""
+    fit = vendored("cohere_compass").fit_training_batch
+    case = cases["img_448"]
+    split = case.vision_end + 2
+    types = np.asarray(case.extra["mm_token_type_ids"])
+    mask = mx.ones((1, case.length), mx.int32)
+    media = [tiny.config.image_token_id, tiny.config.video_token_id]
+    _, _, got, got_mask = fit(case.ids[:, split:], None, None, types, mask, media)
+    assert got.shape == (1, case.length - split) and not got.any() and got_mask.shape == (1, case.length - split)
+    with pytest.raises(ValueError, match="columns but input_ids has"):
+        fit(case.ids[:, 3:], None, None, types[:, ::-1], mask, media)  # the image columns misplaced
+
+
+def test_a_picture_after_a_restored_prefix_unprimed_is_refused_by_name(tiny, cases):
+    """mlx-vlm 0.4.4's PromptCacheState with a picture after the cached prefix: the suffix is
+    embedded alone and its positions (counting from its own first token) passed unprimed."""
+    case = cases["img_448"]
+    split = int(np.nonzero(np.asarray(case.extra["mm_token_type_ids"])[0])[0][0]) - 1  # before vision start
+    cache = contract.make_cache(tiny)
+    mx.eval(tiny(case.ids[:, :split], cache=cache).logits)
+    suffix = case.ids[:, split:]
+    types = np.asarray(case.extra["mm_token_type_ids"])[:, split:]
+    emb = tiny.get_input_embeddings(
+        suffix, case.pixels, image_grid_thw=case.extra["image_grid_thw"], mm_token_type_ids=types
+    )
+    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
+    with pytest.raises(ValueError, match="position_ids count from this prompt's first token"):
+        tiny.language_model(suffix[:, :-1], inputs_embeds=emb.inputs_embeds[:, :-1], cache=cache, **kwargs)

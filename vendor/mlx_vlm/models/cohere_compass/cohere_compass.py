@@ -331,7 +331,7 @@ class Model(nn.Module):
                 attention_mask=mask,
             )
         rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
-        self.language_model.remember_deltas(rope_deltas, [0] * B)
+        self.language_model.remember_deltas(rope_deltas, [0] * B, text=True)
         return CompassEmbeddings(
             inputs_embeds=embeds,
             rope_deltas=rope_deltas,

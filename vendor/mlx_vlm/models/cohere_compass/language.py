@@ -308,6 +308,7 @@ class LanguageModel(nn.Module):
         self._rope_deltas: Optional[mx.array] = None
         # The deltas array get_input_embeddings made, and its one value when every row has it.
         self._known_deltas: Tuple[Optional[mx.array], Optional[int]] = (None, None)
+        self._text_deltas: Optional[mx.array] = None
         self._position_ids: Optional[mx.array] = None
         self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
 
@@ -358,11 +359,13 @@ class LanguageModel(nn.Module):
         self._chunk_sources["position_ids"] = (positions, 0)
         return positions, mx.array(deltas.reshape(-1, 1))
 
-    def remember_deltas(self, deltas: mx.array, values: Sequence[int]) -> None:
+    def remember_deltas(self, deltas: mx.array, values: Sequence[int], text: bool = False) -> None:
         """Record that ``deltas`` (an array a host will pass back) holds ``values``, so the
-        positions it gives need no device read and take the scalar-offset rope."""
+        positions it gives need no device read and take the scalar-offset rope; ``text``: the
+        zeros of a text-only prompt, which say nothing about a cache it continues."""
         single = {int(v) for v in values}
         self._known_deltas = (deltas, single.pop() if len(single) == 1 else None)
+        self._text_deltas = deltas if text else None
 
     def _chunk_start(self, kind: str, full: mx.array, L: int, columns: int) -> int:
         """Where this forward's L tokens start in an array that covers more than them.
@@ -517,6 +520,12 @@ class LanguageModel(nn.Module):
             position_ids = _fill_text_rows(position_ids, B, L, offset, kwargs.get("visual_pos_masks"))
         if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
             rope_deltas = mx.array(rope_deltas)
+        if rope_deltas is not None and rope_deltas is self._text_deltas and not fresh:
+            # mlx-vlm 0.4.x merges a text suffix's own (zero) deltas into its kwargs after a
+            # restored prefix: the suffix continues the delta kept with the prefix's cache.
+            kept = getattr(first, STORED_DELTA, None)
+            if kept is not None:
+                rope_deltas = kept
         delta = rope_deltas if rope_deltas is not None else (None if fresh else self._request_delta(first, B))
         if rope_deltas is not None:
             self._keep_delta(first, rope_deltas)
