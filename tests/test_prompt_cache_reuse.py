@@ -385,3 +385,57 @@ def test_a_picture_after_a_restored_prefix_unprimed_is_refused_by_name(tiny, cas
     kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
     with pytest.raises(ValueError, match="position_ids count from this prompt's first token"):
         tiny.language_model(suffix[:, :-1], inputs_embeds=emb.inputs_embeds[:, :-1], cache=cache, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+def test_server_with_the_automatic_prefix_cache_answers_as_without(tmp_path, pictures):
+    """``APC_ENABLED=1`` against a server without it, same requests in the same order: a picture
+    and a question, the same again, the conversation extended by a text turn; a text question,
+    then the same conversation extended by a picture. Every reply the same; the cache was hit."""
+    import importlib.util
+    import json
+    import urllib.request
+
+    if importlib.util.find_spec("mlx_vlm.apc") is None:
+        pytest.skip("this mlx-vlm has no automatic prefix cache (mlx_vlm.apc)")
+    from tests.lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text
+
+    if not ROUTE.endswith("/chat/completions"):
+        pytest.skip(f"this mlx-vlm's server serves {ROUTE}; the conversations use chat completions")
+    checkpoint = toy.ensure_default_checkpoint()
+    servers = {
+        enabled: Server(checkpoint, tmp_path / f"apc{enabled}.log", env={"APC_ENABLED": enabled})
+        for enabled in ("1", "0")
+    }
+    picture = {"type": "image_url", "image_url": {"url": data_uri(pathlib.Path(pictures["demo"]).read_bytes())}}
+
+    def ask(server: Server, messages: List[Dict[str, Any]]) -> str:
+        body = dict(model=str(checkpoint), messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, stream=False)
+        with urllib.request.urlopen(server.request(body), timeout=REQUEST_TIMEOUT) as reply:
+            return reply_text(json.loads(reply.read()))
+
+    def conversation(server: Server) -> List[str]:
+        look = {"role": "user", "content": [picture, {"type": "text", "text": "Describe this image."}]}
+        hello = {"role": "user", "content": "Hello there!"}
+        answers = [ask(server, [look]), ask(server, [look])]
+        extended = [look, {"role": "assistant", "content": answers[0]}, {"role": "user", "content": "How many shapes?"}]
+        answers.append(ask(server, extended))
+        answers.append(ask(server, [hello]))
+        later = [hello, {"role": "assistant", "content": answers[-1]}, look]
+        answers.append(ask(server, later))
+        return answers
+
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        cached, plain = conversation(servers["1"]), conversation(servers["0"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{servers['1'].port}/v1/cache/stats", timeout=10) as r:
+            apc = json.loads(r.read())
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert cached == plain, (cached, plain)
+    assert apc.get("enabled") is True, apc
+    assert apc.get("exact_hits", 0) + apc.get("lookups_hit", 0) > 0, apc
