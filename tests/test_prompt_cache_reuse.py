@@ -127,6 +127,12 @@ def pictures(tmp_path_factory) -> Dict[str, str]:
     return {"demo": str(DEMO), "scene": str(scene)}
 
 
+def user_turn(text: str, added: Tuple[str, ...]) -> Dict[str, Any]:
+    """A user message: the text, after one image part per picture it adds."""
+    content: Any = [{"type": "image"} for _ in added] + [{"type": "text", "text": text}] if added else text
+    return {"role": "user", "content": content}
+
+
 def ours(loaded, pictures, name: str, reuse: Dict[str, Any]) -> List[Tuple[Turn, Turn]]:
     """Each turn with the cache kept across turns and fresh; the conversation goes on with the
     uncached answer."""
@@ -135,8 +141,7 @@ def ours(loaded, pictures, name: str, reuse: Dict[str, Any]) -> List[Tuple[Turn,
     images: List[str] = []
     out = []
     for text, added in CONVERSATIONS[name]:
-        content: Any = [{"type": "image"} for _ in added] + [{"type": "text", "text": text}] if added else text
-        messages.append({"role": "user", "content": content})
+        messages.append(user_turn(text, added))
         images += [pictures[p] for p in added]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         cached = run_turn(model, processor, prompt, MAX_TOKENS, image=list(images) or None, **reuse)
@@ -173,8 +178,7 @@ def test_automatic_prefix_cache_gives_the_uncached_answers(loaded, pictures, nam
     messages: List[Dict[str, Any]] = []
     images: List[str] = []
     for turn, (text, added) in enumerate(CONVERSATIONS[name]):
-        content: Any = [{"type": "image"} for _ in added] + [{"type": "text", "text": text}] if added else text
-        messages.append({"role": "user", "content": content})
+        messages.append(user_turn(text, added))
         images += [pictures[p] for p in added]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         fresh = run_turn(model, processor, prompt, MAX_TOKENS, image=list(images) or None)
