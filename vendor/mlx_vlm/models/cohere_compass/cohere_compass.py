@@ -331,7 +331,7 @@ class Model(nn.Module):
                 attention_mask=mask,
             )
         rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
-        self.language_model.remember_deltas(rope_deltas, [0] * B)
+        self.language_model.remember_deltas(rope_deltas, [0] * B, text=True)
         return CompassEmbeddings(
             inputs_embeds=embeds,
             rope_deltas=rope_deltas,
@@ -455,6 +455,8 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     processor's: one column longer than the ids, or shorter by the padding or completion. The
     patches of each row come stacked ``[B, N, C]``. Only those shapes are fitted: a dropped
     column must be text, added ids no image or video token (``media_ids``); else an error.
+    Longer types whose last columns mark exactly the ids' media tokens are a whole prompt's,
+    passed with the suffix a restored prefix cache leaves: those columns (and the mask's) are kept.
     """
     # compass-compat: upstream (0.7.10) ignores mm_token_type_ids and the patch count; we check both.
     if pixel_values is not None and pixel_values.ndim == 3:
@@ -479,6 +481,12 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
         types = types[:, :L]
     elif T < L and not np.isin(np.asarray(input_ids)[:, T:], media_ids).any():
         types = np.pad(types, ((0, 0), (0, L - T)))
+    elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
+        # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
+        # suffix after the restored prefix and passes the whole prompt's types and mask.
+        types = types[:, T - L :]
+        if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
+            mask = mask[:, T - L :]
     elif T != L:
         raise ValueError(
             f"mm_token_type_ids has {T} columns but input_ids has {L}. Pass the processor's outputs of one "
@@ -486,6 +494,12 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
             "token) or add text after the prompt (padding, a sampled completion)"
         )
     return pixel_values, pixel_values_videos, types, mask
+
+
+def _is_prompt_tail(types: np.ndarray, input_ids, media_ids) -> bool:
+    """Whether ``types`` marks exactly the image and video tokens of ``input_ids`` (same shape)."""
+    media = np.isin(np.asarray(input_ids), media_ids)
+    return types.shape == media.shape and np.array_equal(types != 0, media)
 
 
 def _pixel_fingerprint(pixels: Any, grid: Any) -> str:

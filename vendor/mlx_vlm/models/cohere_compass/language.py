@@ -383,6 +383,7 @@ class LanguageModel(nn.Module):
         self._rope_deltas: Optional[mx.array] = None
         # The deltas array get_input_embeddings made, and its one value when every row has it.
         self._known_deltas: Tuple[Optional[mx.array], Optional[int]] = (None, None)
+        self._text_deltas: Optional[mx.array] = None
         self._position_ids: Optional[mx.array] = None
         self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
 
@@ -427,25 +428,47 @@ class LanguageModel(nn.Module):
             video_grid_thw=video_grid_thw,
             video_token_id=self.video_token_id,
         )
-        return mx.array(position_ids), mx.array(deltas.reshape(-1, 1))
+        positions = mx.array(position_ids)
+        # compass-compat: mlx-vlm 0.7.x primes a restored prefix's suffix with these whole-prompt
+        # positions and passes them with every chunk: they start at column 0, not where first seen.
+        self._chunk_sources["position_ids"] = (positions, 0)
+        return positions, mx.array(deltas.reshape(-1, 1))
 
-    def remember_deltas(self, deltas: mx.array, values: Sequence[int]) -> None:
+    def remember_deltas(self, deltas: mx.array, values: Sequence[int], text: bool = False) -> None:
         """Record that ``deltas`` (an array a host will pass back) holds ``values``, so the
-        positions it gives need no device read and take the scalar-offset rope."""
+        positions it gives need no device read and take the scalar-offset rope; ``text``: the
+        zeros of a text-only prompt, which say nothing about a cache it continues."""
         single = {int(v) for v in values}
         self._known_deltas = (deltas, single.pop() if len(single) == 1 else None)
+        self._text_deltas = deltas if text else None
 
     def _chunk_start(self, kind: str, full: mx.array, L: int, columns: int) -> int:
         """Where this forward's L tokens start in an array that covers more than them.
 
         mlx-vlm >= 0.4 hands every prefill chunk the whole prompt's arrays; the
-        start is the tokens processed since the array was first seen.
+        start is the tokens processed since the array was first seen (positions from
+        :meth:`get_rope_index` count from column 0: they cover the whole sequence).
         """
         source, base = self._chunk_sources.get(kind, (None, 0))
         if source is not full:
             self._chunk_sources[kind] = (full, columns)
             base = columns
         return columns - base
+
+    def _refuse_prompt_positions_after_a_prefix(self, position_ids: mx.array, columns: int) -> None:
+        """Refuse an image or video prompt's own positions (they count from its first token) on a
+        cache that already holds other tokens: mlx-vlm 0.4.x's ``PromptCacheState`` trims a turn
+        that adds a picture to the part after the cached prefix, embeds that part alone and passes
+        its positions unprimed. Served, they would restart at 0 mid-conversation (a wrong answer)."""
+        source = self._chunk_sources.get("position_ids", (None, 0))[0]
+        if columns == 0 or position_ids is source or position_ids is not self._position_ids:
+            return
+        raise ValueError(
+            f"position_ids count from this prompt's first token, but the cache already holds {columns} "
+            "tokens: the prompt was cut after a restored prefix cache and a picture or video follows the "
+            "cut, which this mlx-vlm does not prime (0.4.x PromptCacheState). Start a new "
+            "PromptCacheState for a turn that adds a picture or video, or use mlx-vlm 0.6 or newer"
+        )
 
     def _request_delta(self, first: Any, B: int) -> Optional[Any]:
         """The delta of the sequence(s) this cache continues: the one kept with the cache,
@@ -563,6 +586,8 @@ class LanguageModel(nn.Module):
             self._rope_deltas = None
 
         position_ids = self._unslice_positions(position_ids, B, L, columns)
+        if position_ids is not None and not batched:
+            self._refuse_prompt_positions_after_a_prefix(position_ids, columns)
         if position_ids is not None and position_ids.shape[-1] != L:
             start = self._chunk_start("position_ids", position_ids, L, columns)
             position_ids = position_ids[..., start : start + L]
@@ -570,6 +595,12 @@ class LanguageModel(nn.Module):
             position_ids = _fill_text_rows(position_ids, B, L, offset, kwargs.get("visual_pos_masks"))
         if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
             rope_deltas = mx.array(rope_deltas)
+        if rope_deltas is not None and rope_deltas is self._text_deltas and not fresh:
+            # mlx-vlm 0.4.x merges a text suffix's own (zero) deltas into its kwargs after a
+            # restored prefix: the suffix continues the delta kept with the prefix's cache.
+            kept = getattr(first, STORED_DELTA, None)
+            if kept is not None:
+                rope_deltas = kept
         delta = rope_deltas if rope_deltas is not None else (None if fresh else self._request_delta(first, B))
         if rope_deltas is not None:
             self._keep_delta(first, rope_deltas)

@@ -1,0 +1,104 @@
+"""Multi-turn conversations through mlx-vlm's own ``stream_generate``, each turn run twice: with
+the pin's prompt-cache reuse (a ``PromptCacheState`` kept across turns, or an automatic prefix
+cache manager) and as a fresh request of the same whole conversation, with no cache at all.
+
+Ours is driven with prompts and picture files (its processor); the control, which has no
+processor, with the prompt ids and pixels handed to ``stream_generate`` directly
+(:class:`IdsOnly` stands in for the processor's tokenizer and detokenizer).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import numpy as np
+
+
+@dataclass
+class Turn:
+    """What one request gave: greedy ids, each step's log-probabilities, the ids the model was
+    fed (the pin trims a reused prefix), and the error it raised, if any."""
+
+    ids: List[int]
+    logprobs: Optional[np.ndarray]
+    fed: int
+    error: Optional[Exception] = None
+
+
+def prompt_cache_state_class():
+    """mlx-vlm's ``PromptCacheState``, or None where the pin has no multi-turn cache reuse."""
+    import mlx_vlm
+
+    return getattr(mlx_vlm, "PromptCacheState", None)
+
+
+def primes_a_restored_prefix() -> bool:
+    """Whether the pin primes the whole prompt's positions before it trims a prompt to the
+    part after a reused prefix (and reuses only text-only parts): 0.6 and newer."""
+    for name in ("mlx_vlm.generate.dispatch", "mlx_vlm.generate"):
+        try:
+            if hasattr(importlib.import_module(name), "_prime_cached_prefix_rope_state"):
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def run_turn(model, processor, prompt: str, max_tokens: int, **kwargs: Any) -> Turn:
+    """One greedy ``stream_generate`` request; the model's errors are returned, not raised."""
+    from mlx_vlm import stream_generate
+
+    fed: List[int] = []
+    original = model.get_input_embeddings
+
+    def spy(input_ids=None, *args, **kw):
+        fed.append(int(input_ids.shape[-1]))
+        return original(input_ids, *args, **kw)
+
+    ids: List[int] = []
+    rows: List[np.ndarray] = []
+    model.get_input_embeddings = spy
+    try:
+        for result in stream_generate(model, processor, prompt, max_tokens=max_tokens, temperature=0.0, **kwargs):
+            if result.token is not None and len(ids) < int(result.generation_tokens):
+                ids.append(int(result.token))
+                rows.append(np.array(result.logprobs).reshape(-1))
+    except ValueError as error:
+        return Turn(ids, None, fed[0] if fed else 0, error)
+    finally:
+        del model.get_input_embeddings
+    return Turn(ids, np.stack(rows) if rows else None, fed[0] if fed else 0)
+
+
+class _Detokenizer:
+    def __init__(self) -> None:
+        self.last_segment = ""
+
+    def reset(self) -> None:
+        self.last_segment = ""
+
+    def add_token(self, token, **_: Any) -> None:
+        self.last_segment = f" {int(token)}"
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+class IdsOnly:
+    """A stand-in processor for a model fed ids directly (the control): stops at ``eos``,
+    detokenizes to the ids' numbers."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+        self.tokenizer = self
+        self.detokenizer = _Detokenizer()
+        self.all_special_ids = [eos]
+        self.thinking_budget_criteria = None
+
+    def stopping_criteria(self, token) -> bool:
+        return int(token) == self.eos
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        return [self.eos]
