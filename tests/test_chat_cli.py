@@ -41,9 +41,10 @@ IMAGE_PROMPT = "Describe this picture."
 FOLLOW_UP = "How many shapes are there?"
 DEMO = Path(__file__).resolve().parents[1] / "compass_compat" / "assets" / "demo.png"
 ASSISTANT, YOU = "Assistant: ", "\nYou: "
-# Where the pin's chat cuts every prompt array to the new tokens but keeps the whole prompt's
-# mm_token_type_ids on a turn that reuses its prompt cache; the model refuses the mismatch by name.
-FOLLOW_UP_REFUSED = {"0.4.4": "mm_token_type_ids has"}
+# Where the pin's chat reuses its prompt cache for a turn whose new tokens hold the picture, without
+# priming the prompt's positions (0.4.4 puts the picture in the follow-up message): the model
+# cannot place the picture's positions after the cached tokens and refuses by name.
+FOLLOW_UP_REFUSED = {"0.4.4": "position_ids count from this prompt's first token"}
 
 
 @pytest.fixture(scope="module")
