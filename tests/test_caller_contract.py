@@ -23,6 +23,8 @@ from tests.lib.contract import (
     SUFFIX_MODES,
     TOL,
     Case,
+    check,
+    decode_plain,
     has_batch_caches,
     item_interleaved,
     item_lm_chunks,
@@ -34,7 +36,9 @@ from tests.lib.contract import (
     last,
     make_cache,
     make_cache_class,
+    prefill_whole,
     reference_case,
+    run_decode,
 )
 from tests.lib.vendored import vendored
 
@@ -310,3 +314,26 @@ def test_requests_merged_into_one_batch_cache_keep_their_own_delta(model, cases)
     cache and decoded with nothing but the cache; a row finishes (filter), another is taken
     out and decoded alone (extract). Each row's delta travels with its row."""
     item_merged(model, [cases["text_long"], cases["img_448"], cases["img_two"], cases["text_short"]])
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_text_suffix_on_a_cache_trimmed_back_from_a_picture_request(model, cases, name):
+    """LM Studio's prompt cache: a cache that served a picture request is trimmed back to the
+    tokens a text prompt shares with it, and the text prompt's suffix is embedded alone, its
+    zero deltas passed on. The picture's delta, still kept with the cache's first layer, holds
+    only past the picture: here the text's own zeros do. (The tiny sliding window cannot be
+    trimmed, so the trimmed cache is the shared tokens plus what the served cache kept.)"""
+    picture, text = cases["img_448"], cases[name]
+    served = make_cache(model)
+    prefill_whole(model, picture, served)
+    split = 3  # BOS and the user turn's opening tokens: every prompt of the template shares them
+    assert np.array(picture.ids[0, :split]).tolist() == np.array(text.ids[0, :split]).tolist()
+    cache = make_cache(model)
+    mx.eval(model(text.ids[:, :split], cache=cache).logits)
+    for attr in (STORED_DELTA, vendored("language").DELTA_SINCE):
+        setattr(cache[0], attr, getattr(served[0], attr))
+    suffix = text.ids[:, split:]
+    emb = model.get_input_embeddings(suffix, None)
+    kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
+    first = last(model.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs))
+    check(text, run_decode(model, cache, text, first, decode_plain), "text suffix on a trimmed picture cache")

@@ -595,11 +595,18 @@ class LanguageModel(nn.Module):
             position_ids = _fill_text_rows(position_ids, B, L, offset, kwargs.get("visual_pos_masks"))
         if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
             rope_deltas = mx.array(rope_deltas)
+        if fresh and hasattr(first, "__dict__"):
+            vars(first).pop(DELTA_SINCE, None)
         if rope_deltas is not None and rope_deltas is self._text_deltas and not fresh:
             # mlx-vlm 0.4.x merges a text suffix's own (zero) deltas into its kwargs after a
-            # restored prefix: the suffix continues the delta kept with the prefix's cache.
+            # restored prefix: the suffix continues the delta kept with the prefix's cache, if
+            # that delta holds where the cache now ends (a cache a host trimmed back to before
+            # a picture, as LM Studio's prompt cache does, keeps a delta that no longer does).
             kept = getattr(first, STORED_DELTA, None)
-            if kept is not None:
+            since = getattr(first, DELTA_SINCE, None)
+            if kept is not None and (
+                since is None or int(since.item() if isinstance(since, mx.array) else since) <= columns
+            ):
                 rope_deltas = kept
         delta = rope_deltas if rope_deltas is not None else (None if fresh else self._request_delta(first, B))
         if rope_deltas is not None:
@@ -611,6 +618,9 @@ class LanguageModel(nn.Module):
             self._keep_delta(first, (last + 1 - (offset + L)).reshape(-1, 1))
         else:
             self._keep_delta(first, (0 if B == 1 else mx.zeros((B, 1), mx.int32)) if delta is None else delta)
+        if position_ids is not None and L > 1 and not batched and first is not None:
+            # Prefill only: a decoded token follows the delta, and no lazy chain grows per step.
+            _keep_delta_since(first, position_ids, columns, L)
         deepstack = deepstack_visual_embeds
         if deepstack is not None and deepstack.shape[1] != L:
             start = self._chunk_start("deepstack", deepstack, L, columns)
@@ -645,6 +655,24 @@ class LanguageModel(nn.Module):
 
 # Attribute of a request's first-layer cache holding the rope delta its tokens continue from.
 STORED_DELTA = "compass_rope_deltas"
+# ... and the first cache column from which that delta holds (past the last vision token).
+DELTA_SINCE = "compass_rope_deltas_since"
+
+
+def _keep_delta_since(first: Any, position_ids: mx.array, columns: int, L: int) -> None:
+    """Keep with the cache where its delta starts to hold: past the last token of this chunk
+    whose position does not follow the final delta (a vision token), else where it held
+    before. Lazy (an mx scalar); read only when a restored prefix may continue it."""
+    rows = position_ids.max(axis=0) if position_ids.ndim == 3 else position_ids  # [B, L]
+    steps = rows - mx.arange(L)[None]  # constant over the tokens that follow one delta
+    off = steps != steps[:, -1:]
+    past_last_off = mx.max(mx.where(off, mx.arange(1, L + 1)[None], 0))
+    before = getattr(first, DELTA_SINCE, None)
+    since = mx.where(past_last_off > 0, columns + past_last_off, columns if before is None else before)
+    try:
+        setattr(first, DELTA_SINCE, since)
+    except AttributeError:  # a cache class with __slots__
+        pass
 
 
 def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int) -> None:
