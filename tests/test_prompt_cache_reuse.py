@@ -452,6 +452,23 @@ def test_a_suffix_placed_after_a_prefix_of_another_length_is_refused(tiny, cases
         tiny.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs)
 
 
+def test_a_sliding_window_cache_cut_after_it_wrapped_is_refused(tiny, cases):
+    """mlx-vlm 0.4.4's ``PromptCacheState`` cuts every cache by slicing its keys to the reused
+    prefix (``generate.py`` ~690); a sliding-window ring that has wrapped then holds the last
+    tokens, not the prefix. Served, the answer would be wrong: refused by name."""
+    case = cases["text_long"]
+    window = tiny.config.text_config.sliding_window
+    assert case.length > window + 4, "the case must wrap the tiny checkpoint's window"
+    cache = contract.make_cache(tiny)
+    mx.eval(tiny(case.ids, cache=cache).logits)
+    split = 4
+    for c in cache:  # 0.4.4's cut, as it does it
+        if c.keys.shape[2] > split:
+            c.keys, c.values, c.offset = c.keys[:, :, :split], c.values[:, :, :split], split
+    with pytest.raises(ValueError, match="The sliding-window cache was set back to 4 tokens"):
+        tiny(case.ids[:, split:], cache=cache)
+
+
 # ---------------------------------------------------------------------------------- the server
 
 

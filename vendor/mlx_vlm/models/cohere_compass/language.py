@@ -605,6 +605,8 @@ class LanguageModel(nn.Module):
             self._rope_deltas = None
 
         position_ids = self._unslice_positions(position_ids, B, L, columns)
+        if not batched:
+            refuse_a_ring_cut_after_it_wrapped(cache, columns, L)
         if position_ids is not None and not batched:
             self._refuse_prompt_positions_after_a_prefix(position_ids, columns)
         if position_ids is not None and position_ids.shape[-1] != L:
@@ -691,6 +693,32 @@ def _keep_delta_since(first: Any, position_ids: mx.array, columns: int, L: int) 
     try:
         setattr(first, DELTA_SINCE, since)
     except AttributeError:  # a cache class with __slots__
+        pass
+
+
+# Attribute of a request's first rotating cache: the most tokens it has held (its offset's high mark).
+REACHED = "compass_reached"
+
+
+def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], columns: int, L: int) -> None:
+    """Refuse a sliding-window cache set back to ``columns`` tokens after it held more than its
+    window: its ring then holds the last tokens, not the first ``columns`` (mlx-vlm 0.4.4's
+    ``PromptCacheState`` cuts every cache by slicing its keys to the reused prefix), and the
+    answer would be wrong. Records the high mark for the next call."""
+    ring = next((c for c in cache if c is not None and hasattr(c, "max_size")), None)
+    if ring is None:
+        return
+    reached = getattr(ring, REACHED, 0)
+    if 0 < columns < reached and reached > ring.max_size:
+        raise ValueError(
+            f"The sliding-window cache was set back to {columns} tokens after it held {reached}, past its "
+            f"window of {ring.max_size}: it no longer holds the first {columns} tokens (mlx-vlm 0.4.x's "
+            "PromptCacheState trims caches by slicing). Start a new PromptCacheState (a new chat) for this "
+            "turn, or keep the conversation within the model's sliding_window"
+        )
+    try:
+        setattr(ring, REACHED, columns + L)
+    except AttributeError:  # a cache class with __slots__: nothing to check against later
         pass
 
 
