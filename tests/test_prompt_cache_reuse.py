@@ -54,6 +54,8 @@ CONVERSATIONS: Dict[str, List[Tuple[str, Tuple[str, ...]]]] = {
     "text-only": [("Hello there!", ()), ("What can you do?", ()), ("Tell me more.", ())],
     "text-then-picture": [("Hello there!", ()), ("Describe this image.", ("demo",))],
 }
+
+
 def apc_manager(monkeypatch):
     """A fresh automatic prefix cache, built as the server builds it with ``APC_ENABLED=1``."""
     try:

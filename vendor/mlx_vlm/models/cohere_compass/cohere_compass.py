@@ -231,33 +231,22 @@ class Model(nn.Module):
             if deepstack:
                 dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
 
-        prefix = 0
-        if whole is not None:
-            # The ids are the prompt's last L tokens: every position follows from the whole
-            # prompt's types and grids (text advances by one), so the cached part's ids are not needed.
-            prefix = whole.prefix
-            position_ids, deltas = get_rope_index(
-                whole.types,
-                whole.grids.get(IMAGE),
-                self.config.image_token_id,
-                self._merge,
-                attention_mask=padding_rows(whole.mask),
-                mm_token_type_ids=whole.types,
-                video_grid_thw=whole.grids.get(VIDEO),
-                video_token_id=self.config.video_token_id,
-            )
-            position_ids = position_ids[..., prefix:]
-        else:
-            position_ids, deltas = get_rope_index(
-                ids,
-                grids.get(IMAGE),
-                self.config.image_token_id,
-                self._merge,
-                attention_mask=padding_rows(mask),
-                mm_token_type_ids=types,
-                video_grid_thw=grids.get(VIDEO),
-                video_token_id=self.config.video_token_id,
-            )
+        # With the whole prompt's types (ids that are its last L tokens), every position follows
+        # from those types and the grids (text advances by one): the cached part's ids are not needed.
+        prefix, rope_types, rope_grids, rope_mask = (
+            (whole.prefix, whole.types, whole.grids, whole.mask) if whole is not None else (0, types, grids, mask)
+        )
+        position_ids, deltas = get_rope_index(
+            rope_types,
+            rope_grids.get(IMAGE),
+            self.config.image_token_id,
+            self._merge,
+            attention_mask=padding_rows(rope_mask),
+            mm_token_type_ids=rope_types,
+            video_grid_thw=rope_grids.get(VIDEO),
+            video_token_id=self.config.video_token_id,
+        )
+        position_ids = position_ids[..., prefix:]
         if dense is not None:
             dense = dense.reshape(B, L, K, D)
         return self._with_positions(
@@ -547,8 +536,8 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
         # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
         # suffix after the restored prefix and passes the whole prompt's types and mask.
-        whole_mask = np.asarray(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
-        whole = WholePrompt(types, whole_mask if whole_mask is not None and whole_mask.shape == types.shape else None, T - L)
+        whole_mask = np.asarray(mask) if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T else None
+        whole = WholePrompt(types, whole_mask, T - L)
         types = types[:, T - L :]
         if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
             mask = mask[:, T - L :]
