@@ -6,7 +6,7 @@ import hashlib
 import threading
 import weakref
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -165,7 +165,7 @@ class Model(nn.Module):
         dense, ``[B, L, K, D]`` with zeros off the vision tokens, so hosts slice and
         left-pad them like the embeddings.
         """
-        pixel_values, pixel_values_videos, mm_token_type_ids, mask = fit_training_batch(
+        pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = fit_training_batch(
             input_ids,
             pixel_values,
             pixel_values_videos,
@@ -200,7 +200,11 @@ class Model(nn.Module):
         merged = embeds.reshape(B * L, D)
         K = len(self.config.vision_config.deepstack_visual_indexes)
         dense = mx.zeros((B * L, K, D), dtype=embeds.dtype) if K else None
-        grids: Dict[int, Any] = {}
+        visual = {kind: self._visual_features(kind, *parts) for kind, parts in given.items()}
+        grids: Dict[int, Any] = {kind: parts[2] for kind, parts in visual.items()}
+        if whole is not None:
+            given_grids = {IMAGE: image_grid_thw, VIDEO: video_grid_thw, **grids}
+            whole = self._placeable(whole, visual, given_grids, self._merge)
         for kind in (IMAGE, VIDEO):
             flat = np.nonzero(types.reshape(-1) == kind)[0]
             if kind not in given:
@@ -210,7 +214,11 @@ class Model(nn.Module):
                         f"{_PIXELS[kind]} + {_GRIDS[kind]} (or {_CACHED[kind]}) for them"
                     )
                 continue
-            features, deepstack, grids[kind] = self._visual_features(kind, *given[kind])
+            features, deepstack, _ = visual[kind]
+            if whole is not None:
+                # Features come for every picture of the prompt; the cached part's are not fed.
+                rows = mx.array(whole.suffix_rows(kind).astype(np.uint32))
+                features, deepstack = features[rows], [d[rows] for d in deepstack]
             if len(flat) != features.shape[0]:
                 raise ValueError(
                     f"{_NAMES[kind].capitalize()} features and {_NAMES[kind]} tokens do not match: the prompt has "
@@ -223,21 +231,44 @@ class Model(nn.Module):
             if deepstack:
                 dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
 
+        # With the whole prompt's types (ids that are its last L tokens), every position follows
+        # from those types and the grids (text advances by one): the cached part's ids are not needed.
+        prefix, rope_types, rope_grids, rope_mask = (
+            (whole.prefix, whole.types, whole.grids, whole.mask) if whole is not None else (0, types, grids, mask)
+        )
         position_ids, deltas = get_rope_index(
-            ids,
-            grids.get(IMAGE),
+            rope_types,
+            rope_grids.get(IMAGE),
             self.config.image_token_id,
             self._merge,
-            attention_mask=padding_rows(mask),
-            mm_token_type_ids=types,
-            video_grid_thw=grids.get(VIDEO),
+            attention_mask=padding_rows(rope_mask),
+            mm_token_type_ids=rope_types,
+            video_grid_thw=rope_grids.get(VIDEO),
             video_token_id=self.config.video_token_id,
         )
+        position_ids = position_ids[..., prefix:]
         if dense is not None:
             dense = dense.reshape(B, L, K, D)
         return self._with_positions(
-            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(types != 0), mask
+            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(types != 0), mask, prefix
         )
+
+    @staticmethod
+    def _placeable(
+        whole: "WholePrompt", visual: Dict[int, Tuple], grids: Dict[int, Any], merge: int
+    ) -> Optional["WholePrompt"]:
+        """``whole`` with its grids when they and the features cover every picture and video
+        of the whole prompt (so the suffix can be placed after the cached part), else None:
+        the suffix is then embedded as a prompt of its own."""
+        for kind in (IMAGE, VIDEO):
+            count = int(np.count_nonzero(whole.types == kind))
+            if count == 0:
+                continue
+            if grids.get(kind) is None or sum(merged_tokens_per_image(grids[kind], merge)) != count:
+                return None
+            if kind in visual and visual[kind][0].shape[0] != count:
+                return None
+        return WholePrompt(whole.types, whole.mask, whole.prefix, grids)
 
     def _image_features_for(self, pixels, grid, cached, vision_cache, key) -> Optional[CachedFeatures]:
         """Features to replay for these pixels, or None to run the tower.
@@ -286,12 +317,14 @@ class Model(nn.Module):
                 )
         return features, deepstack, grid
 
-    def _with_positions(self, embeds, position_ids, deltas, deepstack, visual, mask) -> CompassEmbeddings:
+    def _with_positions(self, embeds, position_ids, deltas, deepstack, visual, mask, prefix=0) -> CompassEmbeddings:
+        """``prefix``: the cached tokens these positions follow (a prompt's suffix), else 0."""
         # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s
         # BatchGenerator) concatenate each key over the rows that have it, so a key only some
         # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
         rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
         self.language_model.remember_deltas(rope_deltas, np.asarray(deltas).reshape(-1).tolist())
+        self.language_model.remember_prefix(position_ids, prefix)
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
         self.language_model._rope_deltas = rope_deltas
@@ -447,6 +480,23 @@ def _same_arrays(weights: Dict[str, Any], a: Dict[str, str], b: Dict[str, Option
     )
 
 
+class WholePrompt(NamedTuple):
+    """The whole prompt's ``mm_token_type_ids`` (and 2-D mask, or None) passed with ids that are
+    its last tokens, the first ``prefix`` already in the cache; ``grids`` per token type once
+    :meth:`Model._placeable` found they cover every picture and video of it."""
+
+    types: np.ndarray
+    mask: Optional[np.ndarray]
+    prefix: int
+    grids: Optional[Dict[int, Any]] = None
+
+    def suffix_rows(self, kind: int) -> np.ndarray:
+        """Which rows of the whole prompt's ``kind`` features (prompt order) the ids hold."""
+        media = self.types == kind
+        order = (np.cumsum(media.reshape(-1)) - 1).reshape(media.shape)
+        return order[:, self.prefix :][media[:, self.prefix :]]
+
+
 def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids):
     """Fit what mlx-vlm's trainer passes to the ids it passes (every pin with a trainer).
 
@@ -456,7 +506,8 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     patches of each row come stacked ``[B, N, C]``. Only those shapes are fitted: a dropped
     column must be text, added ids no image or video token (``media_ids``); else an error.
     Longer types whose last columns mark exactly the ids' media tokens are a whole prompt's,
-    passed with the suffix a restored prefix cache leaves: those columns (and the mask's) are kept.
+    passed with the suffix a restored prefix cache leaves: those columns (and the mask's) are
+    kept, and the whole prompt's types and mask come back as a :class:`WholePrompt` (else None).
     """
     # compass-compat: upstream (0.7.10) ignores mm_token_type_ids and the patch count; we check both.
     if pixel_values is not None and pixel_values.ndim == 3:
@@ -467,7 +518,7 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == L + 1:
         mask = mask[:, :L]
     if mm_token_type_ids is None:
-        return pixel_values, pixel_values_videos, None, mask
+        return pixel_values, pixel_values_videos, None, mask, None
     types = np.asarray(mm_token_type_ids)
     types = types.reshape(1, -1) if types.ndim == 1 else types
     if types.ndim != 2 or types.shape[0] != B:
@@ -477,6 +528,7 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
             "differ in length: train with --batch-size 1 there)"
         )
     T = types.shape[1]
+    whole = None
     if T == L + 1 and not types[:, L].any():
         types = types[:, :L]
     elif T < L and not np.isin(np.asarray(input_ids)[:, T:], media_ids).any():
@@ -484,6 +536,8 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
         # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
         # suffix after the restored prefix and passes the whole prompt's types and mask.
+        whole_mask = np.asarray(mask) if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T else None
+        whole = WholePrompt(types, whole_mask, T - L)
         types = types[:, T - L :]
         if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
             mask = mask[:, T - L :]
@@ -493,7 +547,7 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
             "prompt together; a training batch may only drop the last token (never an image or video "
             "token) or add text after the prompt (padding, a sampled completion)"
         )
-    return pixel_values, pixel_values_videos, types, mask
+    return pixel_values, pixel_values_videos, types, mask, whole
 
 
 def _is_prompt_tail(types: np.ndarray, input_ids, media_ids) -> bool:

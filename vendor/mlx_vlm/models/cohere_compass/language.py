@@ -386,6 +386,8 @@ class LanguageModel(nn.Module):
         self._text_deltas: Optional[mx.array] = None
         self._position_ids: Optional[mx.array] = None
         self._chunk_sources: Dict[str, Tuple[Any, int]] = {}
+        # The positions get_input_embeddings placed after a cached prefix, and that prefix's length.
+        self._placed: Tuple[Optional[mx.array], int] = (None, 0)
 
     @property
     def layers(self):
@@ -455,19 +457,36 @@ class LanguageModel(nn.Module):
             base = columns
         return columns - base
 
+    def remember_prefix(self, position_ids: mx.array, prefix: int) -> None:
+        """Record that ``position_ids`` (from ``get_input_embeddings``) follow ``prefix`` cached
+        tokens: the ids were a prompt's suffix, placed by the whole prompt's token types."""
+        self._placed = (position_ids, prefix)
+
     def _refuse_prompt_positions_after_a_prefix(self, position_ids: mx.array, columns: int) -> None:
-        """Refuse an image or video prompt's own positions (they count from its first token) on a
-        cache that already holds other tokens: mlx-vlm 0.4.x's ``PromptCacheState`` trims a turn
-        that adds a picture to the part after the cached prefix, embeds that part alone and passes
-        its positions unprimed. Served, they would restart at 0 mid-conversation (a wrong answer)."""
+        """Refuse positions from ``get_input_embeddings`` that do not follow the tokens the cache
+        holds: a prompt's own positions (they count from its first token) on a cache that already
+        holds other tokens, as when a host trims a prompt after a restored prefix cache and passes
+        no whole-prompt ``mm_token_type_ids`` to place the rest; or a suffix's positions, placed
+        after a prefix of another length. Served, they would be a wrong answer."""
         source = self._chunk_sources.get("position_ids", (None, 0))[0]
-        if columns == 0 or position_ids is source or position_ids is not self._position_ids:
+        if position_ids is source or position_ids is not self._position_ids:
             return
+        placed, prefix = self._placed
+        if position_ids is not placed:
+            prefix = 0
+        if columns == prefix:
+            return
+        if prefix:
+            raise ValueError(
+                f"position_ids follow a cached prefix of {prefix} tokens (the whole prompt's mm_token_type_ids "
+                f"were passed with its last tokens), but the cache holds {columns} tokens: pass the cache "
+                "restored to exactly the tokens before input_ids"
+            )
         raise ValueError(
             f"position_ids count from this prompt's first token, but the cache already holds {columns} "
             "tokens: the prompt was cut after a restored prefix cache and a picture or video follows the "
-            "cut, which this mlx-vlm does not prime (0.4.x PromptCacheState). Start a new "
-            "PromptCacheState for a turn that adds a picture or video, or use mlx-vlm 0.6 or newer"
+            "cut. Pass the whole prompt's mm_token_type_ids, image_grid_thw and pixels (as mlx-vlm 0.4.4's "
+            "PromptCacheState does) so the model can place the rest, or start a new prompt cache"
         )
 
     def _request_delta(self, first: Any, B: int) -> Optional[Any]:
@@ -586,6 +605,8 @@ class LanguageModel(nn.Module):
             self._rope_deltas = None
 
         position_ids = self._unslice_positions(position_ids, B, L, columns)
+        if not batched:
+            refuse_a_ring_cut_after_it_wrapped(cache, columns, L)
         if position_ids is not None and not batched:
             self._refuse_prompt_positions_after_a_prefix(position_ids, columns)
         if position_ids is not None and position_ids.shape[-1] != L:
@@ -672,6 +693,32 @@ def _keep_delta_since(first: Any, position_ids: mx.array, columns: int, L: int) 
     try:
         setattr(first, DELTA_SINCE, since)
     except AttributeError:  # a cache class with __slots__
+        pass
+
+
+# Attribute of a request's first rotating cache: the most tokens it has held (its offset's high mark).
+REACHED = "compass_reached"
+
+
+def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], columns: int, L: int) -> None:
+    """Refuse a sliding-window cache set back to ``columns`` tokens after it held more than its
+    window: its ring then holds the last tokens, not the first ``columns`` (mlx-vlm 0.4.4's
+    ``PromptCacheState`` cuts every cache by slicing its keys to the reused prefix), and the
+    answer would be wrong. Records the high mark for the next call."""
+    ring = next((c for c in cache if c is not None and hasattr(c, "max_size")), None)
+    if ring is None:
+        return
+    reached = getattr(ring, REACHED, 0)
+    if 0 < columns < reached and reached > ring.max_size:
+        raise ValueError(
+            f"The sliding-window cache was set back to {columns} tokens after it held {reached}, past its "
+            f"window of {ring.max_size}: it no longer holds the first {columns} tokens (mlx-vlm 0.4.x's "
+            "PromptCacheState trims caches by slicing). Start a new PromptCacheState (a new chat) for this "
+            "turn, or keep the conversation within the model's sliding_window"
+        )
+    try:
+        setattr(ring, REACHED, columns + L)
+    except AttributeError:  # a cache class with __slots__: nothing to check against later
         pass
 
 
