@@ -135,19 +135,56 @@ def test_turboquant_default_checkpoint_answers_as_reference(default_loaded, bits
         assert _answer(default_loaded, got["ids"]) == expected, (text, bits)
 
 
-@pytest.mark.skipif(
+needs_quantized_kv_start = pytest.mark.skipif(
     "quantized_kv_start" not in inspect.signature(_generate_step()).parameters,
     reason="this mlx-vlm's generate_step has no quantized_kv_start",
 )
-def test_uniform_on_head_dim_16_stops_at_mx_quantize(default_loaded):
-    """MLX groups keys in 32, 64 or 128 along head_dim; 16 cannot be grouped: a loud error from
-    the first conversion, never a silent float cache."""
-    model, processor = default_loaded
-    prompt = mlx_vlm_run.chat_prompt(default_loaded, "Say hello.", 0)
+
+
+def _first_step_error(loaded, **kwargs) -> Exception:
+    model, processor = loaded
+    prompt = mlx_vlm_run.chat_prompt(loaded, "Say hello.", 0)
     ids = mx.array([processor.tokenizer.encode(prompt, add_special_tokens=False)])
-    steps = _generate_step()(ids, model, None, None, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
-    with pytest.raises(ValueError, match="group size"):
+    steps = _generate_step()(ids, model, None, None, kv_bits=8, quantized_kv_start=0, **kwargs)
+    with pytest.raises(ValueError) as caught:
         next(steps)
+    return caught.value
+
+
+@needs_quantized_kv_start
+@pytest.mark.parametrize("group", [32, 64])
+def test_uniform_on_head_dim_16_is_refused_by_name(tiny_ckpt_original, group):
+    """MLX groups keys in 32, 64 or 128 along head_dim; 16 cannot be grouped: a named error that
+    says what does run, from the first conversion (a sliding layer's, before the full-attention
+    layer's mx.quantize fails with a message naming no setting), never a silent float cache."""
+    error = _first_step_error(mlx_vlm_run.load(str(tiny_ckpt_original)), kv_group_size=group)
+    assert type(error) is vendored("language").KVCacheQuantizationError
+    assert "head_dim 16" in str(error) and "turboquant" in str(error)
+
+
+@needs_quantized_kv_start
+def test_uniform_group_larger_than_head_dim_names_the_group_that_fits(head_dim_32):
+    """mlx-vlm's default kv_group_size (64) on head_dim 32: the error names kv_group_size=32."""
+    error = _first_step_error(mlx_vlm_run.load(str(head_dim_32)), kv_group_size=64)
+    assert type(error) is vendored("language").KVCacheQuantizationError
+    assert "kv_group_size=32" in str(error)
+
+
+def test_a_quantized_cache_a_host_builds_is_refused_by_name(tiny_ckpt_original):
+    """A host that hands the model quantized caches of its own (no conversion by generate):
+    the same named error, from the first full-attention layer."""
+    import importlib
+
+    quantized = getattr(importlib.import_module("mlx_vlm.models.cache"), "QuantizedKVCache", None)
+    if quantized is None:
+        quantized = importlib.import_module("mlx_lm.models.cache").QuantizedKVCache
+    model, _ = mlx_vlm_run.load(str(tiny_ckpt_original))
+    caches = [
+        c if c.__class__.__name__ == "RotatingKVCache" else quantized(group_size=64, bits=8)
+        for c in model.language_model.make_cache()
+    ]
+    with pytest.raises(vendored("language").KVCacheQuantizationError, match="head_dim 16"):
+        mx.eval(model.language_model(mx.array([[5, 6, 7]]), cache=caches).logits)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

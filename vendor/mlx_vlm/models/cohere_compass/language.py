@@ -135,7 +135,13 @@ class Attention(nn.Module):
                 q = self._rotary.apply(q, positions)
                 k = self._rotary.apply(k, positions)
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+            try:
+                k, v = cache.update_and_fetch(k, v)
+            except ValueError as err:
+                # compass-compat: mx.quantize's own message names no setting a user can change.
+                if "[quantize]" not in str(err) or not hasattr(cache, "group_size"):
+                    raise
+                raise KVCacheQuantizationError(_kv_group_advice(self.head_dim, cache.group_size)) from err
         if isinstance(k, mx.array):
             out = cpu_lanes.attention(q, k, v, self.scale, masks.get(L, k.shape[2], self.window))
         else:
@@ -145,6 +151,28 @@ class Attention(nn.Module):
             attend = functools.partial(_pin_attention(), keys=k, values=v, cache=cache)
             out = cpu_lanes.quantized_attention(q, attend, self.scale, mask)
         return cpu_lanes.linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class KVCacheQuantizationError(ValueError):
+    """Uniform KV-cache quantization (``kv_bits`` with ``kv_group_size``) cannot group this
+    checkpoint's keys: ``mx.quantize`` takes groups of 32, 64 or 128 along ``head_dim``."""
+
+
+QUANTIZE_GROUPS = (128, 64, 32)  # the group sizes mx.quantize accepts
+
+
+def _kv_group_advice(head_dim: int, group_size: int) -> str:
+    fits = [g for g in QUANTIZE_GROUPS if head_dim % g == 0]
+    head = f"kv_group_size {group_size} cannot group this checkpoint's keys (head_dim {head_dim})"
+    if fits:
+        return (
+            f"{head}: pass kv_group_size={fits[0]} (the server's --kv-group-size), or use kv_quant_scheme='turboquant'"
+        )
+    return (
+        f"{head}: mx.quantize groups by {', '.join(map(str, QUANTIZE_GROUPS))}, none of which divides "
+        f"{head_dim}, so uniform KV quantization cannot run on it; use kv_quant_scheme='turboquant' "
+        "(mlx-vlm >= 0.4.4) or run without kv_bits"
+    )
 
 
 def _pin_attention():
@@ -330,6 +358,12 @@ class RotatingKVCache(_PinRotatingKVCache):
     The pin's class name is kept: hosts key caches by it (oMLX's cache type registry)."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
+        # generate's kv_bits converts every layer in order, this sliding one before the
+        # full-attention KVCache, whose mx.quantize error would name no setting to change.
+        if self.keys is not None:
+            head_dim = self.keys.shape[-1]
+            if group_size not in QUANTIZE_GROUPS or head_dim % group_size:
+                raise KVCacheQuantizationError(_kv_group_advice(head_dim, group_size))
         return self
 
     if BatchRotatingKVCache is not None:
