@@ -64,8 +64,8 @@ MROPE_SECTION = [8, 4, 4]  # head_dim // 2 rotary pairs, split t/h/w as the tiny
 
 def toy_config(dtype: str = "float32") -> dict:
     """config.json of the toy: the tiny default config without its test-only unknown keys, with
-    a sliding window (:data:`SLIDING_WINDOW`) longer than its prompts and a wider vision tower
-    (:data:`VISION_WIDTH`)."""
+    a sliding window (:data:`SLIDING_WINDOW`) longer than its prompts, two text heads of 32
+    (:data:`TEXT_HEADS`) and a wider vision tower (:data:`VISION_WIDTH`)."""
     config = tiny.strip_test_keys(tiny.tiny_config("default", dtype))
     config["text_config"]["sliding_window"] = SLIDING_WINDOW
     config["text_config"].update(TEXT_HEADS)
