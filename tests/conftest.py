@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -39,6 +40,20 @@ def reference() -> ReferenceFixtures:
 def fixture_images() -> dict:
     """File name -> path of the synthetic PNGs the reference cases use."""
     return {p.name: p for p in sorted(IMAGES_DIR.glob("*.png"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlx_vlm_cache_home(tmp_path_factory):
+    """mlx-vlm's automatic prefix cache keeps a disk tier under ``$MLX_VLM_CACHE_HOME`` (default
+    ~/.cache/mlx-vlm), keyed by prompt tokens: kept there, one run's blocks (or another
+    checkpoint's, with the same tokenizer) would be served to the next. Servers inherit it."""
+    old = os.environ.get("MLX_VLM_CACHE_HOME")
+    os.environ["MLX_VLM_CACHE_HOME"] = str(tmp_path_factory.mktemp("mlx_vlm_cache"))
+    yield
+    if old is None:
+        os.environ.pop("MLX_VLM_CACHE_HOME", None)
+    else:
+        os.environ["MLX_VLM_CACHE_HOME"] = old
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,9 +7,9 @@ through the pin's ``models.base.scaled_dot_product_attention``. Expected answers
 transformers' recorded greedy answers (tests/fixtures/toy_reference.json, float).
 
 What MLX cannot do: uniform KV quantization groups a key's ``head_dim`` in groups of 32, 64 or
-128; the default and tiny checkpoints have head_dim 16, so uniform ``kv_bits`` stop at
-``mx.quantize`` (a loud ``ValueError``, the same on mlx-vlm's own models of that head size).
-Uniform 8 and 4 bits run here on a tiny checkpoint with head_dim 32 (same tensors, two heads),
+128. The default checkpoint has head_dim 32 (``kv_group_size=32``); the tiny one has 16, which no
+group fits: refused by name (``KVCacheQuantizationError``), as is a group larger than head_dim.
+Uniform 8 and 4 bits also run on a tiny checkpoint with head_dim 32 (same tensors, two heads),
 whose random weights give near-tied logits, so only what must hold is asserted there: the run
 completes with finite log-probabilities. Figures against float: scripts/bench/kv_quant.py.
 """
@@ -113,26 +113,34 @@ def test_quantized_attention_blocks_equal_whole_call(monkeypatch):
     assert np.array_equal(np.array(blocked), np.array(whole))
 
 
+def _reference_cases():
+    """The text prompts and the demo's worded questions, with transformers' greedy answers. Box
+    digits are near-ties that any quantization may move: scripts/bench/kv_quant.py counts them."""
+    cases = [(c["prompt"], [], c["text"]) for c in REFERENCE["text_only"]]
+    cases += [
+        (REFERENCE["demo"][k]["prompt"], [str(DEMO)], REFERENCE["demo"][k]["text"])
+        for k in ("describe", "count", "colour")
+    ]
+    return cases
+
+
+def _answers_as_reference(loaded, **kv) -> None:
+    for text, images, expected in _reference_cases():
+        got = _stream(loaded, text, images, REFERENCE["max_new_tokens"], quantized_kv_start=0, **kv)
+        assert got["finite"], text
+        assert _answer(loaded, got["ids"]) == expected, (text, kv)
+
+
 @needs_turboquant
 @pytest.mark.parametrize("bits", [3.5, 3])
 def test_turboquant_default_checkpoint_answers_as_reference(default_loaded, bits):
-    cases = [(c["prompt"], [], c["expected"]) for c in REFERENCE["text_only"]]
-    cases += [
-        (REFERENCE["demo"][k]["prompt"], [str(DEMO)], REFERENCE["demo"][k]["expected"])
-        for k in ("describe", "count", "colour")
-    ]
-    for text, images, expected in cases:
-        got = _stream(
-            default_loaded,
-            text,
-            images,
-            REFERENCE["max_new_tokens"],
-            kv_bits=bits,
-            kv_quant_scheme="turboquant",
-            quantized_kv_start=0,
-        )
-        assert got["finite"], text
-        assert _answer(default_loaded, got["ids"]) == expected, (text, bits)
+    _answers_as_reference(default_loaded, kv_bits=bits, kv_quant_scheme="turboquant")
+
+
+def test_uniform_8_bit_default_checkpoint_answers_as_reference(default_loaded):
+    """8-bit keys and values (group 32, the toy's head_dim) from the first token: every text
+    prompt and demo question answers as transformers' float greedy answer."""
+    _answers_as_reference(default_loaded, kv_bits=8, kv_group_size=32)
 
 
 needs_quantized_kv_start = pytest.mark.skipif(
@@ -166,6 +174,14 @@ def test_uniform_on_head_dim_16_is_refused_by_name(tiny_ckpt_original, group):
 def test_uniform_group_larger_than_head_dim_names_the_group_that_fits(head_dim_32):
     """mlx-vlm's default kv_group_size (64) on head_dim 32: the error names kv_group_size=32."""
     error = _first_step_error(mlx_vlm_run.load(str(head_dim_32)), kv_group_size=64)
+    assert type(error) is vendored("language").KVCacheQuantizationError
+    assert "kv_group_size=32" in str(error)
+
+
+@needs_quantized_kv_start
+def test_uniform_default_group_on_the_default_checkpoint_names_kv_group_size_32(default_loaded):
+    """mlx-vlm's default kv_group_size (64) is larger than the toy's head_dim (32): refused by name."""
+    error = _first_step_error(default_loaded, kv_group_size=64)
     assert type(error) is vendored("language").KVCacheQuantizationError
     assert "kv_group_size=32" in str(error)
 
@@ -212,29 +228,28 @@ def _server_flags() -> List[str]:
     path = pathlib.Path(server.__file__)
     files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
     text = "".join(f.read_text() for f in files)
-    return [flag for flag in ("--kv-bits", "--kv-quant-scheme", "--quantized-kv-start") if f'"{flag}"' in text]
+    flags = ("--kv-bits", "--kv-group-size", "--kv-quant-scheme", "--quantized-kv-start")
+    return [flag for flag in flags if f'"{flag}"' in text]
 
 
-@needs_turboquant
-def test_server_kv_bits_one_request(tmp_path):
+SERVER_SETTINGS = {
+    "turboquant 3.5": ["--kv-bits", "3.5", "--kv-quant-scheme", "turboquant"],
+    "uniform 8": ["--kv-bits", "8", "--kv-group-size", "32"],
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SERVER_SETTINGS))
+def test_server_kv_bits_one_request(tmp_path, setting):
     from tests.lib.server import Server, reply_text
 
-    if len(_server_flags()) < 3:
-        pytest.skip(
-            f"this mlx-vlm's server has only {_server_flags()} of --kv-bits, --kv-quant-scheme, --quantized-kv-start"
-        )
+    args = SERVER_SETTINGS[setting] + ["--quantized-kv-start", "0"]
+    missing = [a for a in args if a.startswith("--") and a not in _server_flags()]
+    if missing:
+        pytest.skip(f"this mlx-vlm's server has no {', '.join(missing)}")
+    if "turboquant" in args and not TURBOQUANT:
+        pytest.skip("this mlx-vlm has no TurboQuant (mlx_vlm.turboquant)")
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    server = Server(
-        toy.ensure_default_checkpoint(),
-        tmp_path / "server.log",
-        "--kv-bits",
-        "3.5",
-        "--kv-quant-scheme",
-        "turboquant",
-        "--quantized-kv-start",
-        "0",
-        env=env,
-    )
+    server = Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", *args, env=env)
     try:
         server.wait_ready()
         case = REFERENCE["text_only"][2]
