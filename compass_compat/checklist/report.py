@@ -87,6 +87,12 @@ ITEMS: Tuple[Item, ...] = (
         "a video prompt without its per-patch timestamps, or video tokens embedded as text, silently "
         "degrades every video answer",
     ),
+    Item(
+        12,
+        "every feature this mlx-vlm offers (generation keywords, server flags and routes, python -m "
+        "modules) is listed in docs/features.md",
+        "a feature a new release adds would reach users of this model untested",
+    ),
 )
 ITEM_NUMBERS = tuple(item.number for item in ITEMS)
 

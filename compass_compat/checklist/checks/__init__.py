@@ -11,6 +11,7 @@ from .fresh_interpreter import check_model_config, check_processor_without_torch
 from .package import check_ships, check_vendored_imports
 from .parity import check_image, check_text
 from .replay import check_cached_replay
+from .surface import check_feature_surface
 from .video import check_video
 
 CHECKS: Dict[int, Check] = {
@@ -25,6 +26,7 @@ CHECKS: Dict[int, Check] = {
     9: check_layouts,
     10: check_padding_ids,
     11: check_video,
+    12: check_feature_surface,
 }
 
 __all__ = ["CHECKS", "Check", "result"]
