@@ -25,7 +25,7 @@ import urllib.request
 from typing import Dict, List, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PICTURE = ROOT / "tests" / "fixtures" / "images" / "synth_448x448.png"
+PICTURE = ROOT / "tests" / "fixtures" / "images" / "synth_320x256.png"  # 80 image tokens
 QUESTION = "Describe this picture."
 SETTINGS = {
     "float": {},
@@ -163,9 +163,9 @@ def server_ttft(model_dir: str, impl: str, sends: int, log: pathlib.Path) -> Lis
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="the stand-in folder (default: build_fullsize's bf16 cache)")
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="long prompt length (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="decoded tokens per run (default: %(default)s)")
-    parser.add_argument("--sends", type=int, default=3, help="times the picture is sent (default: %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="long prompt length (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="decoded tokens per run (default: %(default)s)")
+    parser.add_argument("--sends", type=int, default=2, help="times the picture is sent (default: %(default)s)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
     parser.add_argument("--worker", choices=["kv"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
