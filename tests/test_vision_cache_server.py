@@ -1,14 +1,19 @@
 """mlx-vlm's own server with its vision-feature cache: a picture sent again runs no vision tower.
 
 The server (on pins whose server hands ``vision_cache`` to the model) keys the cache by what the
-request names: here a file path. The same picture sent three times, another picture once, then a
-third picture written over the first file: the tower must run once per distinct picture (three
-times), and every answer must be ``python -m compass_compat generate``'s for that picture, the
-overwritten file's included (never the stale features kept under its path). Tower runs and cache
+request names: here a file path (0.6.x), or the processed pixels (0.7.x). The demo picture sent
+three times, another picture once, then written over the first file: the demo turned 180 degrees
+(same size, so the same grid: only its pixels tell it apart), then a picture of another size. The
+tower must run once per distinct picture (four times for six picture requests), and every answer
+must be ``python -m compass_compat generate``'s for that picture, the overwritten file's included
+(never the stale features kept under its path). Tower runs and cache
 gets are counted inside the server process by the hosts' probe (scripts/hosts/common/probe: it
 wraps ``Model.encode_image`` and ``VisionFeatureCache.get`` / ``put``; the server is not touched).
 Where the cache is not used (0.4.4's plain responses request, below) the same requests run the
-tower 5 times: measured, and asserted there.
+tower 6 times: measured, and asserted there. Measured on 0.6.12 with throwaway changes to the
+vendored model: ignoring ``vision_cache`` gives 6 tower runs (fails here, also on 0.7.10 forced);
+serving a cached entry whose grid matches without checking its pixels answers the turned demo
+with the demo's answer (fails here; 0.7.x keys by pixels, so such an entry never reaches it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from typing import Dict
 
 import pytest
+from PIL import Image
 
 from compass_data import toy
 from tests.lib.cli_run import greedy_cli_output
@@ -78,11 +84,14 @@ def test_a_picture_sent_again_runs_no_tower(tmp_path):
     picture = tmp_path / "picture.png"
     shutil.copyfile(DEMO, picture)
     other, third = IMAGES / "synth_448x448.png", IMAGES / "synth_320x256.png"
+    turned = tmp_path / "turned.png"
+    with Image.open(DEMO) as demo:
+        demo.convert("RGB").rotate(180).save(turned)
     expected = {
         name: greedy_cli_output(checkpoint, PROMPT, MAX_TOKENS, path).strip()
-        for name, path in (("demo", DEMO), ("other", other), ("third", third))
+        for name, path in (("demo", DEMO), ("other", other), ("turned", turned), ("third", third))
     }
-    assert len(set(expected.values())) == 3, expected  # the pictures are told apart by their answers
+    assert len(set(expected.values())) == 4, expected  # the pictures are told apart by their answers
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "COMPASS_HOST_PROBE_DIR": str(probe_dir),
@@ -102,18 +111,20 @@ def test_a_picture_sent_again_runs_no_tower(tmp_path):
             return reply_text(body).strip()
 
         got = [ask(picture) for _ in range(3)] + [ask(other)]
-        shutil.copyfile(third, picture)  # another picture under the same key
+        shutil.copyfile(turned, picture)  # same grid, other pixels, same key
+        got.append(ask(picture))
+        shutil.copyfile(third, picture)  # another grid under the same key
         got.append(ask(picture))
     finally:
         server.stop()
-    assert got == [expected["demo"]] * 3 + [expected["other"], expected["third"]]
+    assert got == [expected["demo"]] * 3 + [expected["other"], expected["turned"], expected["third"]]
     counts = _counts(probe_dir)
     if str(PIN) in ROUTE_WITHOUT_CACHE:
-        assert (len(counts["tower_runs"]), counts["cache_get_hit"] + counts["cache_get_miss"]) == (5, 0), counts
+        assert (len(counts["tower_runs"]), counts["cache_get_hit"] + counts["cache_get_miss"]) == (6, 0), counts
         return
-    assert len(counts["tower_runs"]) == 3, counts
-    assert counts["cache_put"] == 3 and counts["cache_get_hit"] + counts["cache_get_miss"] == 5, counts
-    # Keyed by path (0.6.x) the overwritten file's get returns the first picture's entry, which the
-    # model refuses (its pixels differ): 3 hits, 2 misses; keyed by the processed pixels (0.7.x)
-    # that get misses: 2 and 3. Either way the tower ran for 3 of the 5 picture requests.
-    assert counts["cache_get_hit"] in (2, 3), counts
+    assert len(counts["tower_runs"]) == 4, counts
+    assert counts["cache_put"] == 4 and counts["cache_get_hit"] + counts["cache_get_miss"] == 6, counts
+    # Keyed by path (0.6.x) both overwrites' gets return the entry stored under the path, which the
+    # model refuses (its pixels differ): 4 hits, 2 misses; keyed by the processed pixels (0.7.x)
+    # those gets miss: 2 and 4. Either way the tower ran for 4 of the 6 picture requests.
+    assert counts["cache_get_hit"] in (2, 4), counts
