@@ -143,7 +143,7 @@ def test_full_fine_tune_reloads_with_the_trained_text(tiny_ckpt_original, full):
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt_original, lora, tmp_path_factory):
     """mlx-vlm's server with ``--adapter-path`` and one without it (a request names the adapter)."""
-    from tests.lib.server import VERSION, Server
+    from tests.lib.server import VERSION, Server, serving
 
     if VERSION.major == 0 and VERSION.minor < 6:
         pytest.skip(f"mlx-vlm {VERSION}'s server routes are not the chat completions these requests use")
@@ -152,13 +152,8 @@ def servers(tiny_ckpt_original, lora, tmp_path_factory):
         "flag": Server(tiny_ckpt_original, logs / "flag.log", "--adapter-path", lora["adapters"]),
         "request": Server(tiny_ckpt_original, logs / "request.log"),
     }
-    try:
-        for server in started.values():
-            server.wait_ready()
+    with serving(started):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def ask(server, record: Dict[str, str], **fields) -> str:

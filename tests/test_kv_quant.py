@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
 import pathlib
 from typing import Dict, List
 
@@ -248,13 +247,8 @@ def test_server_kv_bits_one_request(tmp_path, setting):
         pytest.skip(f"this mlx-vlm's server has no {', '.join(missing)}")
     if "turboquant" in args and not TURBOQUANT:
         pytest.skip("this mlx-vlm has no TurboQuant (mlx_vlm.turboquant)")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    server = Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", *args, env=env)
-    try:
-        server.wait_ready()
-        case = REFERENCE["text_only"][2]
+    case = REFERENCE["text_only"][2]
+    with Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", *args) as server:
         status, body = server.post([{"type": "text", "text": case["prompt"]}], max_tokens=REFERENCE["max_new_tokens"])
-        assert status == 200, (body, server.tail())
-        assert reply_text(body).strip() == case["expected"], server.tail()
-    finally:
-        server.stop()
+    assert status == 200, (body, server.tail())
+    assert reply_text(body).strip() == case["expected"], server.tail()

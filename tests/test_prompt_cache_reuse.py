@@ -490,7 +490,7 @@ def test_server_with_the_automatic_prefix_cache_answers_as_without(tmp_path, pic
 
     if importlib.util.find_spec("mlx_vlm.apc") is None:
         pytest.skip("this mlx-vlm has no automatic prefix cache (mlx_vlm.apc)")
-    from tests.lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text
+    from tests.lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text, serving
 
     if not ROUTE.endswith("/chat/completions"):
         pytest.skip(f"this mlx-vlm's server serves {ROUTE}; the conversations use chat completions")
@@ -517,15 +517,10 @@ def test_server_with_the_automatic_prefix_cache_answers_as_without(tmp_path, pic
         answers.append(ask(server, later))
         return answers
 
-    try:
-        for server in servers.values():
-            server.wait_ready()
+    with serving(servers):
         cached, plain = conversation(servers["1"]), conversation(servers["0"])
         with urllib.request.urlopen(f"http://127.0.0.1:{servers['1'].port}/v1/cache/stats", timeout=10) as r:
             apc = json.loads(r.read())
-    finally:
-        for server in servers.values():
-            server.stop()
     assert cached == plain, (cached, plain)
     assert apc.get("enabled") is True, apc
     assert apc.get("exact_hits", 0) + apc.get("lookups_hit", 0) > 0, apc

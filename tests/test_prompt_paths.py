@@ -374,16 +374,12 @@ def server(tiny_ckpt_original, tmp_path_factory):
     spy = tmp_path_factory.mktemp("spy")
     (spy / "sitecustomize.py").write_text(SPY, encoding="utf-8")
     log = spy / "template.jsonl"
-    pythonpath = os.pathsep.join(p for p in (str(spy), os.environ.get("PYTHONPATH")) if p)
     started = ts.Server(
-        tiny_ckpt_original, spy / "server.log", env={"PYTHONPATH": pythonpath, "COMPASS_TEST_TEMPLATE_LOG": str(log)}
+        tiny_ckpt_original, spy / "server.log", env={"COMPASS_TEST_TEMPLATE_LOG": str(log)}, path=[str(spy)]
     )
-    try:
-        started.wait_ready()
+    with started:
         started.template_log = log
         yield started
-    finally:
-        started.stop()
 
 
 def post(server, messages, max_tokens: int = 2):

@@ -32,7 +32,7 @@ pytest.importorskip(
 
 from compass_compat import server_guard
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
+from tests.lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text, serving
 
 # What each pin's own server answers for an image it cannot load (no guard).
 UNGUARDED_STATUS = {"0.3.9": 500, "0.4.4": 500, "0.6.12": 500, "0.7.10": 500}
@@ -53,13 +53,8 @@ def servers(tiny_ckpt_original, tmp_path_factory):
         "guarded": Server(tiny_ckpt_original, logs / "guarded.log", "--max-images", str(MAX_IMAGES)),
         "unguarded": Server(tiny_ckpt_original, logs / "unguarded.log", "--no-guard"),
     }
-    try:
-        for server in started.values():
-            server.wait_ready()
+    with serving(started):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 @pytest.fixture(scope="module")

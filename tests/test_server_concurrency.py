@@ -60,27 +60,18 @@ def alone(tiny_ckpt_original, fixture_images) -> Dict[str, str]:
     return texts
 
 
-def start(ckpt, tmp_path_factory, name: str, env=None) -> Server:
-    return Server(ckpt, tmp_path_factory.mktemp(name) / "server.log", env=env).wait_ready()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_original, tmp_path_factory):
-    s = start(tiny_ckpt_original, tmp_path_factory, "concurrency")
-    try:
+    with Server(tiny_ckpt_original, tmp_path_factory.mktemp("concurrency") / "server.log") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def cached_server(tiny_ckpt_original, tmp_path_factory):
     # Prefix caching on, with blocks small enough for these short prompts (ignored before 0.6).
-    s = start(tiny_ckpt_original, tmp_path_factory, "prefix_cache", env={"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"})
-    try:
+    env = {"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"}
+    with Server(tiny_ckpt_original, tmp_path_factory.mktemp("prefix_cache") / "server.log", env=env) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def send_together(server: Server, names: List[str], images) -> Dict[str, tuple]:

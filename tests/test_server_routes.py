@@ -20,7 +20,6 @@ empty tokenizer turns every prompt into zero tokens, so its requests fail inside
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,7 +32,7 @@ pytest.importorskip(
 )
 
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, START_TIMEOUT, Server, reply_text  # noqa: E402
+from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, Server, reply_text, serving  # noqa: E402
 
 TEXT_PROMPT = "Hello there"
 IMAGE_PROMPT = "Describe the image."
@@ -63,29 +62,10 @@ def servers(tiny_ckpt_original, control_ckpt, tmp_path_factory):
         "ours": Server(tiny_ckpt_original, logs / "ours.log"),
         "control": Server(control_ckpt, logs / "control.log"),
     }
-    try:
-        started["ours"].wait_ready()
-        control_ready(started["control"])
+    # The control's may exit at start-up: 0.3.x loads the model and its processor before serving,
+    # and the control has no processor files.
+    with serving(started, may_exit=("control",)):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
-def control_ready(server: Server) -> bool:
-    """Whether the control's server came up; False when it exited at startup (0.3.x loads the
-    model and its processor before serving, and the control has no processor files)."""
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            time.sleep(0.5)
-    pytest.fail(f"the control's server neither served nor exited after {START_TIMEOUT}s:\n{server.tail()}")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import os
 import pathlib
 import urllib.error
 import urllib.request
@@ -416,8 +415,7 @@ def _server(tmp_path, *paths: str, structured: bool = True):
         pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
     if not structured and _server_has_response_format():
         pytest.skip("this mlx-vlm's server has response_format (tested above)")
-    path = os.pathsep.join(p for p in (*paths, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", env={"PYTHONPATH": path})
+    return Server(toy.ensure_default_checkpoint(), tmp_path / "server.log", path=paths)
 
 
 def _chat(server, text: str, **extra) -> dict:
@@ -440,10 +438,8 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "shapes", "sch
 def test_server_response_format_on_cpu(tmp_path):
     """A JSON-schema request: 500 naming the missing Metal back-end (a stream: one error event and
     no text), never an unconstrained answer; the same request without response_format answers."""
-    server = _server(tmp_path)
     case = TOY_REFERENCE["text_only"][0]
-    try:
-        server.wait_ready()
+    with _server(tmp_path) as server:
         status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
         assert status == 500 and NO_METAL in json.loads(text)["detail"], (status, text, server.tail())
         status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT, stream=True))
@@ -452,8 +448,6 @@ def test_server_response_format_on_cpu(tmp_path):
         status, text = _post(server, _chat(server, case["prompt"]))
         assert status == 200, (text, server.tail())
         assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
-    finally:
-        server.stop()
 
 
 def test_server_response_format_with_a_cpu_mask(tmp_path):
@@ -465,10 +459,8 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
     (site / "sitecustomize.py").write_text(
         "from tests.lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
     )
-    server = _server(tmp_path, str(site))
     prompt = TOY_REFERENCE["demo"]["describe"]["prompt"]
-    try:
-        server.wait_ready()
+    with _server(tmp_path, str(site)) as server:
         status, text = _post(server, _chat(server, prompt, response_format=RESPONSE_FORMAT))
         assert status == 200, (text, server.tail())
         answer = json.loads(text)["choices"][0]["message"]["content"]
@@ -478,20 +470,14 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
         assert status == 200 and not any("error" in e for e in events), text
         streamed = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
         assert streamed == answer
-    finally:
-        server.stop()
 
 
 def test_server_without_response_format_ignores_it(tmp_path):
     """A pin whose server has no response_format (0.3.x, 0.4.x) accepts the field (its request
     models allow extra fields) and answers unconstrained: transformers' plain answer, not JSON.
     The field never reaches the model, so only the pin could refuse it."""
-    server = _server(tmp_path, structured=False)
     case = TOY_REFERENCE["text_only"][0]
-    try:
-        server.wait_ready()
+    with _server(tmp_path, structured=False) as server:
         status, text = _post(server, _chat(server, case["prompt"], response_format=RESPONSE_FORMAT))
-        assert status == 200, (text, server.tail())
-        assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]
-    finally:
-        server.stop()
+    assert status == 200, (text, server.tail())
+    assert json.loads(text)["choices"][0]["message"]["content"].strip() == case["expected"]

@@ -248,18 +248,14 @@ def test_server_gives_the_cli_answer(toy_folders, pictures, tmp_path):
     max_tokens = REFERENCE["max_new_tokens"]
     cli = greedy_cli_output(toy_folders["float"], recorded["prompt"], max_tokens, image).strip()
     assert cli == recorded["text"].strip()
-    server = Server(toy_folders["float"], tmp_path / "server.log")
-    try:
-        server.wait_ready()
-        content = [
-            {"type": "image_url", "image_url": {"url": data_uri(image.read_bytes())}},
-            {"type": "text", "text": recorded["prompt"]},
-        ]
+    content = [
+        {"type": "image_url", "image_url": {"url": data_uri(image.read_bytes())}},
+        {"type": "text", "text": recorded["prompt"]},
+    ]
+    with Server(toy_folders["float"], tmp_path / "server.log") as server:
         status, body = server.post(content, max_tokens=max_tokens)
-        assert status == 200, f"{status} {body}\n{server.tail()}"
-        assert reply_text(body).strip() == cli
-    finally:
-        server.stop()
+    assert status == 200, f"{status} {body}\n{server.tail()}"
+    assert reply_text(body).strip() == cli
 
 
 def test_reference_file_is_what_transformers_answers_now(toy_folders, pictures):

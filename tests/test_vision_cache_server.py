@@ -19,7 +19,6 @@ with the demo's answer (fails here; 0.7.x keys by pixels, so such an entry never
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import time
@@ -92,13 +91,8 @@ def test_a_picture_sent_again_runs_no_tower(tmp_path):
         for name, path in (("demo", DEMO), ("other", other), ("turned", turned), ("third", third))
     }
     assert len(set(expected.values())) == 4, expected  # the pictures are told apart by their answers
-    env = {
-        "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        "COMPASS_HOST_PROBE_DIR": str(probe_dir),
-    }
-    server = Server(checkpoint, tmp_path / "server.log", env=env)
-    try:
-        server.wait_ready()
+    env = {"COMPASS_HOST_PROBE_DIR": str(probe_dir)}
+    with Server(checkpoint, tmp_path / "server.log", env=env, path=[str(PROBE)]) as server:
         status, body = server.post([{"type": "text", "text": "Say hello."}])  # loads the model
         assert status == 200, (body, server.tail())
         _wait_for_probe(probe_dir, server)
@@ -115,8 +109,6 @@ def test_a_picture_sent_again_runs_no_tower(tmp_path):
         got.append(ask(picture))
         shutil.copyfile(third, picture)  # another grid under the same key
         got.append(ask(picture))
-    finally:
-        server.stop()
     assert got == [expected["demo"]] * 3 + [expected["other"], expected["turned"], expected["third"]]
     counts = _counts(probe_dir)
     if str(PIN) in ROUTE_WITHOUT_CACHE:

@@ -169,8 +169,7 @@ def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_token
 def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tokenizer, tmp_path):
     from tests.lib import server as ts
 
-    server = ts.Server(padded_ckpt, tmp_path / "server.log").wait_ready()
-    try:
+    with ts.Server(padded_ckpt, tmp_path / "server.log") as server:
         body = {
             "model": str(padded_ckpt),
             "messages": [{"role": "user", "content": PROMPT}],
@@ -186,6 +185,4 @@ def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tok
                 if line.startswith("data: ") and line[6:].strip() != "[DONE]":
                     for choice in json.loads(line[6:]).get("choices", []):
                         deltas.append(choice.get("delta", {}).get("content") or "")
-    finally:
-        server.stop()
     assert "".join(deltas) == reference_text(reference_tokenizer, streamed[0]), server.tail()

@@ -5,6 +5,7 @@ that send it requests. The route each pin serves is in tests/test_server.py's do
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -14,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional, Sequence
 
 import mlx_vlm
 import pytest
@@ -36,6 +37,7 @@ ROUTE = (
 MAX_TOKENS = 12  # a request's max_tokens unless told
 START_TIMEOUT = 240  # seconds; mlx-vlm 0.7.10 + transformers 5 import slowly on a busy CPU
 REQUEST_TIMEOUT = 120
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -45,13 +47,23 @@ def free_port() -> int:
 
 
 class Server:
-    """One server process for ``model``, started at once (output to ``log``); ``wait_ready`` waits for
-    /health, ``post`` sends one request, ``stop`` ends it."""
+    """One server process for ``model``, started at once (output to ``log``), running this tree's
+    compass_compat (``path`` goes before it on PYTHONPATH). ``with Server(...) as s`` waits for
+    /health and stops it on the way out; ``post`` sends one request."""
 
-    def __init__(self, model: Path, log: Path, *extra: str, env: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        *extra: str,
+        env: Optional[Dict[str, str]] = None,
+        path: Sequence[str] = (),
+    ):
         self.model, self.log_path = str(model), log
         self.port = free_port()
         env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
+        # The installed compass_compat may be another checkout's editable install.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*path, str(ROOT), os.environ.get("PYTHONPATH")) if p)
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
             [
@@ -73,21 +85,38 @@ class Server:
             cwd=str(log.parent),
         )
 
+    def __enter__(self) -> "Server":
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def wait_ready(self) -> "Server":
+        if not self.came_up():
+            pytest.fail(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+        return self
+
+    def came_up(self) -> bool:
+        """Whether /health answered; False when the process exited first."""
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+                return False
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return True
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.5)
-        pytest.fail(f"server not ready after {START_TIMEOUT}s:\n{self.tail()}")
+        pytest.fail(f"server neither served nor exited after {START_TIMEOUT}s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def request(self, body: dict, route: str = ROUTE) -> urllib.request.Request:
@@ -130,6 +159,22 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(timeout=20)
         self.log.close()
+
+
+@contextlib.contextmanager
+def serving(started: Dict[str, Server], may_exit: Sequence[str] = ()) -> Iterator[Dict[str, Server]]:
+    """Wait for servers started together (they import mlx-vlm in parallel), then stop them all on the
+    way out. A name in ``may_exit`` may exit at start-up instead (its ``proc`` tells)."""
+    try:
+        for name, server in started.items():
+            if name in may_exit:
+                server.came_up()
+            else:
+                server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 def reply_text(body: dict) -> str:
