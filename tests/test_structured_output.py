@@ -229,27 +229,9 @@ def control(control_ckpt):
 
 def _control_ids(model, inputs: Dict, processors=None, steps: int = MAX_TOKENS) -> List[int]:
     """The pin's ``generate_step`` (greedy) on the control, stopped after its EOS as generate does."""
-    from scripts._lib.control import EOS_ID, fresh_state
+    from scripts._lib.control import EOS_ID, pin_greedy
 
-    fresh_state(model)
-    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "mask")}
-    if processors is not None:
-        extra["logits_processors"] = processors
-    stream = _generate_step()(
-        inputs["input_ids"],
-        model,
-        inputs.get("pixel_values"),
-        inputs["mask"],
-        max_tokens=steps,
-        temperature=0.0,
-        **extra,
-    )
-    ids: List[int] = []
-    for token, _ in stream:
-        ids.append(int(np.asarray(token).reshape(-1)[0]))
-        if ids[-1] == EOS_ID:
-            break
-    return ids
+    return pin_greedy(model, inputs, steps, processors=processors, stop_at=EOS_ID)
 
 
 @needs_processors

@@ -349,12 +349,21 @@ def one_shot_greedy(model, inputs: Dict[str, Any], steps: int) -> List[int]:
     return out[:steps]
 
 
-def pin_greedy(model, inputs: Dict[str, Any], steps: int) -> List[int]:
-    """Greedy ids from the pin's own ``generate_step`` (temperature 0), fed the same inputs."""
+def pin_greedy(
+    model,
+    inputs: Dict[str, Any],
+    steps: int,
+    processors: Optional[List[Any]] = None,
+    stop_at: Optional[int] = None,
+) -> List[int]:
+    """Greedy ids from the pin's own ``generate_step`` (temperature 0), fed the same inputs, with
+    ``processors`` as its ``logits_processors``; ends after ``stop_at`` (an EOS id) as generate does."""
     from mlx_vlm.generate import generate_step
 
     fresh_state(model)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "mask")}
+    if processors is not None:
+        extra["logits_processors"] = processors
     stream = generate_step(
         inputs["input_ids"],
         model,
@@ -364,7 +373,12 @@ def pin_greedy(model, inputs: Dict[str, Any], steps: int) -> List[int]:
         temperature=0.0,
         **extra,
     )
-    return [int(np.asarray(token).reshape(-1)[0]) for token, _ in stream][:steps]
+    ids: List[int] = []
+    for token, _ in stream:
+        ids.append(int(np.asarray(token).reshape(-1)[0]))
+        if len(ids) == steps or ids[-1] == stop_at:
+            break
+    return ids
 
 
 # --------------------------------------------------------------------------- the pins' own defects
