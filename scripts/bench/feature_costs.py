@@ -136,41 +136,11 @@ def _stream_ttft(port: int, model_dir: str, picture: pathlib.Path, max_tokens: i
 def server_ttft(model_dir: str, impl: str, sends: int, log: pathlib.Path) -> List[float]:
     """Start mlx-vlm's server (through compass_compat's launcher) and time ``sends`` identical requests."""
     sys.path.insert(0, str(ROOT))
-    from tests.lib.server import free_port
+    from tests.lib.server import Server
 
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "compass_compat",
-                "server",
-                "--model",
-                model_dir,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(impl),
-        )
-        try:
-            deadline = time.monotonic() + 900
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                        break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"server did not start: {log}")
-                    time.sleep(1)
-            return [_stream_ttft(port, model_dir, PICTURE, 4) for _ in range(sends)]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    force = {"COMPASS_COMPAT_FORCE_VENDORED": "1" if impl == "ours" else "0"}
+    with Server(pathlib.Path(model_dir), log, env=force) as server:
+        return [_stream_ttft(server.port, model_dir, PICTURE, 4) for _ in range(sends)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
