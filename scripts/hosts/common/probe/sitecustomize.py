@@ -165,6 +165,7 @@ def _trace_language_model(package):
         first = cache[0] if cache else None
         offset = getattr(first, "offset", None)
         given = kwargs.get("position_ids")
+        visual = kwargs.get("visual_pos_masks")
         line = {
             "B_L": list((inputs_embeds if inputs_embeds is not None else inputs).shape[:2]),
             "cache": type(first).__name__ if first is not None else None,
@@ -177,11 +178,21 @@ def _trace_language_model(package):
             "position_ids_last": rows(given[0, :, -1]) if given is not None and given.ndim == 3 else None,
             "stored_delta_on_cache": rows(getattr(first, stored, None)) if first is not None else None,
             "module_rope_deltas": rows(self._rope_deltas),
+            "position_rows": rows(kwargs.get("position_rows")),
+            # per row: vision tokens in this forward's slice of visual_pos_masks, and whether
+            # its last column is one (a prefill cut inside a picture)
+            "visual_tokens": rows(visual.sum(axis=-1)) if visual is not None and visual.ndim == 2 else None,
+            "visual_last": rows(visual[:, -1]) if visual is not None and visual.ndim == 2 else None,
         }
-        out = call(self, inputs, inputs_embeds, mask, cache, **kwargs)
-        line["stored_delta_after"] = rows(getattr(first, stored, None)) if first is not None else None
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            out = call(self, inputs, inputs_embeds, mask, cache, **kwargs)
+        except Exception as err:
+            line["error"] = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            line["stored_delta_after"] = rows(getattr(first, stored, None)) if first is not None else None
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
         return out
 
     lm_cls.__call__ = traced

@@ -44,6 +44,26 @@ class CompassEmbeddings:
     deepstack_visual_embeds: Optional[mx.array] = None  # [B, L, K, D]
     visual_pos_masks: Optional[mx.array] = None
     attention_mask: Optional[mx.array] = None
+    # Per row ([B]), kept whole while batch hosts cut sequence keys per prefill chunk: whether
+    # ``position_ids`` carries the row (hosts join a key over the rows that have it), and the
+    # left padding of the processor's padded prompt (``attention_mask`` zeros before the first token).
+    position_rows: Optional[mx.array] = None
+    prompt_padding: Optional[mx.array] = None
+
+    @classmethod
+    def of(cls, inputs_embeds: mx.array, mask: Optional[Any], **given: Any) -> "CompassEmbeddings":
+        """The per-row fields filled in from the others."""
+        B, L = inputs_embeds.shape[:2]
+        padding = padding_rows(mask)
+        lead = np.zeros(B, np.int32) if padding is None else np.where(padding.any(axis=1), padding.argmax(axis=1), L)
+        has_positions = given.get("position_ids") is not None
+        return cls(
+            inputs_embeds=inputs_embeds,
+            attention_mask=mask,
+            position_rows=mx.full((B,), has_positions, dtype=mx.bool_),
+            prompt_padding=mx.array(lead.astype(np.int32)),
+            **given,
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -328,13 +348,13 @@ class Model(nn.Module):
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
         self.language_model._rope_deltas = rope_deltas
-        return CompassEmbeddings(
-            inputs_embeds=embeds,
+        return CompassEmbeddings.of(
+            embeds,
+            mask,
             position_ids=position_ids,
             rope_deltas=rope_deltas,
             deepstack_visual_embeds=deepstack,
             visual_pos_masks=visual,
-            attention_mask=mask,
         )
 
     def _text_embeddings(self, input_ids, embeds, mask, given_deltas=None) -> CompassEmbeddings:
@@ -355,22 +375,12 @@ class Model(nn.Module):
             # Left-padded rows of one fresh prompt batch: positions that skip the padding.
             position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
             return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
-        if given_deltas is not None:
-            return CompassEmbeddings(
-                inputs_embeds=embeds,
-                rope_deltas=given_deltas,
-                deepstack_visual_embeds=deepstack,
-                visual_pos_masks=visual,
-                attention_mask=mask,
-            )
-        rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
-        self.language_model.remember_deltas(rope_deltas, [0] * B, text=True)
-        return CompassEmbeddings(
-            inputs_embeds=embeds,
-            rope_deltas=rope_deltas,
-            deepstack_visual_embeds=deepstack,
-            visual_pos_masks=visual,
-            attention_mask=mask,
+        rope_deltas = given_deltas
+        if rope_deltas is None:
+            rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
+            self.language_model.remember_deltas(rope_deltas, [0] * B, text=True)
+        return CompassEmbeddings.of(
+            embeds, mask, rope_deltas=rope_deltas, deepstack_visual_embeds=deepstack, visual_pos_masks=visual
         )
 
     @property

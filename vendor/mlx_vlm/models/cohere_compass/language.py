@@ -626,7 +626,7 @@ class LanguageModel(nn.Module):
         first = cache[0]
         batched = is_batch_cache(first)
         if batched:
-            absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L)
+            absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding"))
             # A copy: batch caches update ``offset`` in place (``offset += L``) in layer 0,
             # and every later layer must still rotate from where this chunk starts.
             offset = mx.array(first.offset)
@@ -647,7 +647,9 @@ class LanguageModel(nn.Module):
             start = self._chunk_start("position_ids", position_ids, L, columns)
             position_ids = position_ids[..., start : start + L]
         if position_ids is not None and position_ids.ndim == 3 and position_ids.shape[1] != B:
-            position_ids = _fill_text_rows(position_ids, B, L, offset, kwargs.get("visual_pos_masks"))
+            position_ids = _fill_text_rows(
+                position_ids, B, L, offset, rope_deltas, kwargs.get("position_rows"), kwargs.get("visual_pos_masks")
+            )
         if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
             rope_deltas = mx.array(rope_deltas)
         if fresh and hasattr(first, "__dict__"):
@@ -756,8 +758,10 @@ def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], columns: int, L: int) -
         pass
 
 
-def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int) -> None:
-    """Tell empty batch caches about left padding that only the prompt's ``attention_mask`` shows.
+def absorb_prompt_padding(
+    cache: List[Any], attention_mask: Any, B: int, L: int, prompt_padding: Optional[Any] = None
+) -> None:
+    """Tell empty batch caches about left padding that only the prompt's arrays show.
 
     mlx-vlm 0.4.x-0.6.x ``batch_generate`` tokenizes its prompts left-padded to one length and
     hands the padded rows to its BatchGenerator as if they were real tokens (its caches get no
@@ -765,16 +769,23 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int)
     every row would attend to its padding, and decode positions (cache offset + the row's delta,
     which counts real tokens) would run ahead by the padding. Declaring the padding on the caches
     (mlx-lm's ``prepare(left_padding=)``) masks it from then on, also after rows are filtered, and
-    makes their offsets count real tokens. Padding the caches already know (mlx-vlm 0.7's
-    generator strips the processor's padding and pads rows itself) is not added twice.
+    makes their offsets count real tokens. The padding comes from ``prompt_padding``
+    (get_input_embeddings' per-row count, whole however the prefill is cut), else from this
+    chunk's ``attention_mask``. Padding the caches already know (mlx-vlm 0.7's generator strips
+    the processor's padding and pads rows itself) is not added twice.
     """
     first = cache[0]
-    if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 or tuple(attention_mask.shape) != (B, L):
-        return
     if getattr(first, "keys", None) is not None or not hasattr(first, "left_padding"):
         return  # padding can only be declared before the first tokens go in
-    keep = np.asarray(attention_mask).astype(bool)
-    lead = np.where(keep.any(axis=1), keep.argmax(axis=1), L)
+    if prompt_padding is not None and int(np.size(prompt_padding)) == B:
+        lead = np.asarray(prompt_padding).reshape(-1)
+    elif (
+        attention_mask is not None and getattr(attention_mask, "ndim", 0) == 2 and tuple(attention_mask.shape) == (B, L)
+    ):
+        keep = np.asarray(attention_mask).astype(bool)
+        lead = np.where(keep.any(axis=1), keep.argmax(axis=1), L)
+    else:
+        return
     extra = np.maximum(lead - np.asarray(first.left_padding).reshape(-1), 0)
     if not extra.any():
         return
@@ -786,25 +797,36 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int)
             c.offset = c.offset - mx.array(extra)
 
 
-def _fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, visual: Optional[Any]) -> mx.array:
-    """``[3, B, L]`` positions from a batch whose image rows alone brought positions.
+def _fill_text_rows(
+    position_ids: mx.array, B: int, L: int, offset: Any, deltas: Any, position_rows: Any, visual: Any
+) -> mx.array:
+    """``[3, B, L]`` positions from a batch whose picture rows alone brought positions.
 
-    mlx-vlm 0.6.x's batch generator concatenates each prompt key over the rows that
-    carry it; text rows carry none (as upstream's text prompts), so the rows given are
-    the rows with vision tokens, in order, and the text rows follow their cache offset.
+    mlx-vlm 0.6+'s batch generator joins each prompt key over the rows that carry it; text rows
+    carry no positions (they follow their cache), so the rows given are the picture rows, in
+    order. Which rows those are comes from ``position_rows``, which every row carries and no
+    host cuts per prefill chunk; a host that drops it leaves ``visual_pos_masks``, which tells
+    only while it covers each picture row's vision tokens. Text rows take their cache offset
+    plus their own rope delta.
     """
-    if visual is None:
+    if position_rows is not None and int(np.size(position_rows)) == B:
+        rows = np.nonzero(np.array(position_rows).reshape(-1))[0]
+    elif visual is not None:
+        rows = np.nonzero(np.array(visual).reshape(B, -1).any(axis=1))[0]
+    else:
         raise ValueError(
             f"position_ids has {position_ids.shape[1]} rows but the batch has {B}; pass one row per "
-            "sequence (or the visual_pos_masks get_input_embeddings returned, to tell which rows they are)"
+            "sequence (or the position_rows get_input_embeddings returned, to tell which rows they are)"
         )
-    rows = np.nonzero(np.array(visual).reshape(B, -1).any(axis=1))[0]
     if len(rows) != position_ids.shape[1]:
         raise ValueError(
-            f"position_ids has {position_ids.shape[1]} rows but {len(rows)} of the batch's {B} rows have "
-            "vision tokens; pass one row per sequence"
+            f"position_ids has {position_ids.shape[1]} rows but {len(rows)} of the batch's {B} rows are "
+            "marked as having positions; pass one row per sequence"
         )
-    text = mx.broadcast_to(mx.array(offset).reshape(-1, 1) + mx.arange(L), (B, L)).astype(position_ids.dtype)
+    start = mx.array(offset).reshape(-1, 1)
+    if deltas is not None and int(np.size(deltas)) == B:
+        start = start + mx.array(deltas).reshape(-1, 1).astype(start.dtype)
+    text = mx.broadcast_to(start + mx.arange(L), (B, L)).astype(position_ids.dtype)
     full = mx.array(mx.broadcast_to(text[None], (3, B, L)))
     full[:, mx.array(rows.astype(np.uint32))] = position_ids
     return full
