@@ -239,7 +239,7 @@ SERVER_SETTINGS = {
 
 @pytest.mark.parametrize("setting", sorted(SERVER_SETTINGS))
 def test_server_kv_bits_one_request(tmp_path, setting):
-    from tests.lib.server import Server, reply_text
+    from scripts._lib.server import Server, reply_text
 
     args = SERVER_SETTINGS[setting] + ["--quantized-kv-start", "0"]
     missing = [a for a in args if a.startswith("--") and a not in _server_flags()]

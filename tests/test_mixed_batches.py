@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from tests.lib.server import VERSION, Server, reply_text
+from scripts._lib.server import VERSION, Server, reply_text
 from tests.lib.vendored import vendored
 
 vendored()  # upstream 0.7.10's own cohere_compass fails mixed batches ([broadcast_shapes], measured)
@@ -306,7 +306,7 @@ CHECKPOINT: List[pathlib.Path] = []
 
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt_original, tmp_path_factory):
-    from tests.lib.server import serving
+    from scripts._lib.server import serving
 
     CHECKPOINT[:] = [tiny_ckpt_original]
     tmp = tmp_path_factory.mktemp("mixed_batches")

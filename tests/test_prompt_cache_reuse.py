@@ -490,7 +490,7 @@ def test_server_with_the_automatic_prefix_cache_answers_as_without(tmp_path, pic
 
     if importlib.util.find_spec("mlx_vlm.apc") is None:
         pytest.skip("this mlx-vlm has no automatic prefix cache (mlx_vlm.apc)")
-    from tests.lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text, serving
+    from scripts._lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text, serving
 
     if not ROUTE.endswith("/chat/completions"):
         pytest.skip(f"this mlx-vlm's server serves {ROUTE}; the conversations use chat completions")

@@ -31,8 +31,8 @@ pytest.importorskip(
 )
 
 from compass_compat import server_guard
+from scripts._lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text, serving
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text, serving
 
 # What each pin's own server answers for an image it cannot load (no guard).
 UNGUARDED_STATUS = {"0.3.9": 500, "0.4.4": 500, "0.6.12": 500, "0.7.10": 500}

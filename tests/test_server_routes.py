@@ -31,8 +31,8 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
+from scripts._lib.server import MAX_TOKENS, REQUEST_TIMEOUT, Server, reply_text, serving  # noqa: E402
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.server import MAX_TOKENS, REQUEST_TIMEOUT, Server, reply_text, serving  # noqa: E402
 
 TEXT_PROMPT = "Hello there"
 IMAGE_PROMPT = "Describe the image."

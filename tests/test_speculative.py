@@ -218,7 +218,7 @@ def test_the_server_with_a_drafter_answers_with_the_refusal(ours, tiny, tmp_path
     pytest.importorskip("uvicorn")
     from mlx_vlm.speculative.drafters import load_drafter
 
-    from tests.lib.server import Server
+    from scripts._lib.server import Server
 
     model, _ = ours
     folder = save_drafter(drafter_for(model), tmp_path / "drafter")

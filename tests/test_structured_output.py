@@ -391,7 +391,7 @@ def _server(tmp_path, *paths: str, structured: bool = True):
     """The default checkpoint served by ``python -m compass_compat server``, this tree (and
     ``paths``) first on its PYTHONPATH; skipped unless the pin's server has response_format
     (``structured``) or has none (``structured=False``)."""
-    from tests.lib.server import Server
+    from scripts._lib.server import Server
 
     if structured and not _server_has_response_format():
         pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")

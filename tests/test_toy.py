@@ -239,8 +239,8 @@ def test_plain_generate_gives_the_same_answers(toy_folders, pictures):
 
 
 def test_server_gives_the_cli_answer(toy_folders, pictures, tmp_path):
+    from scripts._lib.server import Server, data_uri, reply_text
     from tests.lib.cli_run import greedy_cli_output
-    from tests.lib.server import Server, data_uri, reply_text
 
     entry = REFERENCE["pictures"][0]
     _, image = pictures[key_of(entry)]

@@ -28,9 +28,9 @@ import pytest
 from PIL import Image
 
 from compass_data import toy
+from scripts._lib.server import MAX_TOKENS, Server, reply_text
+from scripts._lib.server import VERSION as PIN
 from tests.lib.cli_run import greedy_cli_output
-from tests.lib.server import MAX_TOKENS, Server, reply_text
-from tests.lib.server import VERSION as PIN
 from tests.lib.vendored import vendored
 
 vendored()  # the server runs the live package: only ours is measured here

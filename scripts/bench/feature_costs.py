@@ -136,7 +136,7 @@ def _stream_ttft(port: int, model_dir: str, picture: pathlib.Path, max_tokens: i
 def server_ttft(model_dir: str, impl: str, sends: int, log: pathlib.Path) -> List[float]:
     """Start mlx-vlm's server (through compass_compat's launcher) and time ``sends`` identical requests."""
     sys.path.insert(0, str(ROOT))
-    from tests.lib.server import Server
+    from scripts._lib.server import Server
 
     force = {"COMPASS_COMPAT_FORCE_VENDORED": "1" if impl == "ours" else "0"}
     with Server(pathlib.Path(model_dir), log, env=force) as server:

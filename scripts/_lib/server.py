@@ -1,5 +1,6 @@
 """``python -m compass_compat server`` (mlx-vlm's own server, patched) on 127.0.0.1, for the tests
-that send it requests. The route each pin serves is in tests/test_server.py's docstring.
+and scripts that send it requests. The route each pin serves is in tests/test_server.py's
+docstring. Test modules skip themselves where the pin's server cannot start (no uvicorn).
 """
 
 from __future__ import annotations
@@ -18,13 +19,7 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional, Sequence
 
 import mlx_vlm
-import pytest
 from packaging.version import Version
-
-# Importing this module skips the importing test (or module) where the server cannot start.
-pytest.importorskip(
-    "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
-)
 
 VERSION = Version(str(mlx_vlm.__version__))
 ROUTE = (
@@ -38,6 +33,10 @@ MAX_TOKENS = 12  # a request's max_tokens unless told
 START_TIMEOUT = 240  # seconds; mlx-vlm 0.7.10 + transformers 5 import slowly on a busy CPU
 REQUEST_TIMEOUT = 120
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServerError(AssertionError):
+    """The server exited or never answered /health (an AssertionError: a test fails on it)."""
 
 
 def free_port() -> int:
@@ -97,7 +96,7 @@ class Server:
 
     def wait_ready(self) -> "Server":
         if not self.came_up():
-            pytest.fail(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            raise ServerError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
         return self
 
     def came_up(self) -> bool:
@@ -112,7 +111,7 @@ class Server:
                         return True
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.5)
-        pytest.fail(f"server neither served nor exited after {START_TIMEOUT}s:\n{self.tail()}")
+        raise ServerError(f"server neither served nor exited after {START_TIMEOUT}s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
         if not self.log.closed:
