@@ -179,6 +179,8 @@ def _trace_language_model(package):
             "stored_delta_on_cache": rows(getattr(first, stored, None)) if first is not None else None,
             "module_rope_deltas": rows(self._rope_deltas),
             "position_rows": rows(kwargs.get("position_rows")),
+            # a decode step's input ids, one per row (the tokens each row was fed)
+            "ids": rows(inputs) if inputs is not None and inputs.shape[-1] == 1 else None,
             # per row: vision tokens in this forward's slice of visual_pos_masks, and whether
             # its last column is one (a prefill cut inside a picture)
             "visual_tokens": rows(visual.sum(axis=-1)) if visual is not None and visual.ndim == 2 else None,
