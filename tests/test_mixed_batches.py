@@ -225,3 +225,75 @@ def test_a_refused_request_fails_alone(servers, alone):
     assert status != 200 and "VIDEO_PAD" in json.dumps(body), body
     assert {k: (s, reply_text(b).strip()) for k, (s, b) in results.items()} == {k: (200, v) for k, v in want.items()}
 
+
+# Identical requests (issue 44): a picture request already decoding when the same request
+# arrives with another. With the prefix cache on, the repeated request restores the first one's
+# prefix and is prefilled beside a cold row; mlx-vlm 0.6.12 then samples its first token from a
+# padding column (the pin's: scripts/_lib/batch_server.py pin_samples_a_padding_column, measured
+# with a model-free echo model; 0.7.x fixed it). Through the server on pins where it holds,
+# and in process, with the pin's own admission, on every batching pin (a strict xfail where the
+# pin samples padding).
+TWICE = ask(picture(SMALL), picture("synth_256x320.png"), say("Describe these pictures."))
+OTHER = ask(picture("synth_256x320.png"), say("Where is the blue square?"))
+
+
+@pytest.fixture(scope="module")
+def pin_samples_padding() -> bool:
+    from scripts._lib.batch_server import pin_samples_a_padding_column
+
+    return pin_samples_a_padding_column()
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["prefix_cache_off", "prefix_cache_on"])
+def test_identical_requests_through_the_server_answer_as_alone(servers, alone, prefix_cache, pin_samples_padding):
+    if prefix_cache and pin_samples_padding:
+        pytest.skip(
+            f"mlx-vlm {VERSION} samples a restored row's first token from padding (the pin's; in-process test below)"
+        )
+    server = servers["cached" if prefix_cache else "plain"]
+    outcome = run_batch(server, alone, TWICE, (OTHER, TWICE))  # sent first, and again in the batch
+    assert outcome.got == outcome.want, (outcome.errors, server.tail(20))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_ckpt_original):
+    import mlx_vlm
+
+    return mlx_vlm.load(str(tiny_ckpt_original))
+
+
+def _inputs(loaded, request: Ask, tag: int):
+    """The processor's arrays for a one-turn request, as the server's preprocessing gives them."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    model, processor = loaded
+    parts = request.content()
+    images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+    question = " ".join(p["text"] for p in parts if p["type"] == "text")
+    prompt = apply_chat_template(processor, model.config, question, num_images=len(images))
+    arrays = dict(
+        prepare_inputs(processor, images=images, prompts=prompt, image_token_index=model.config.image_token_id)
+    )
+    out = {"input_ids": arrays.pop("input_ids"), "pixel_values": arrays.pop("pixel_values"), "image_hash": tag}
+    out["mask"] = arrays.pop("attention_mask")
+    return {**out, **arrays}
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["prefix_cache_off", "prefix_cache_on"])
+def test_identical_requests_in_the_pins_admission_answer_as_alone(loaded, prefix_cache, pin_samples_padding, request):
+    from scripts._lib.batch_server import serve
+
+    if prefix_cache and pin_samples_padding:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, reason=f"mlx-vlm {VERSION} samples the restored row's first token from padding"
+            )
+        )
+    model, _ = loaded
+    eos = model.config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    twice, other = _inputs(loaded, TWICE, 1), _inputs(loaded, OTHER, 2)
+    alone = [serve(model, eos, r, [], MAX_TOKENS, apc=False)[0] for r in (twice, other)]
+    got = serve(model, eos, twice, [other, twice], MAX_TOKENS, apc=prefix_cache, prefill_step_size=32)
+    assert got == [alone[0], alone[1], alone[0]]
