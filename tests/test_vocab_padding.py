@@ -167,7 +167,7 @@ def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_token
     "serve /responses; 0.4's chat completions fail on mlx-lm 0.32, see test_server.py)",
 )
 def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tokenizer, tmp_path):
-    from tests.lib import server as ts
+    from scripts._lib import server as ts
 
     with ts.Server(padded_ckpt, tmp_path / "server.log") as server:
         body = {
