@@ -128,13 +128,13 @@ class Answers:
         return self.text[key]
 
 
-def start(checkpoint: pathlib.Path, folder: pathlib.Path, name: str, env: Dict[str, str]) -> Server:
-    """A server at ``--prefill-step-size STEP`` with the hosts' probe tracing every model call."""
+def start(checkpoint: pathlib.Path, folder: pathlib.Path, name: str, env: Dict[str, str], step: int = STEP) -> Server:
+    """A server at ``--prefill-step-size step`` with the hosts' probe tracing every model call."""
     probe = folder / f"probe-{name}"
     probe.mkdir(parents=True)
     env = {**env, "COMPASS_HOST_PROBE_DIR": str(probe), "COMPASS_HOST_PROBE_TRACE": "1"}
-    server = Server(checkpoint, folder / f"{name}.log", "--prefill-step-size", str(STEP), env=env, path=[str(PROBE)])
-    server.probe = probe  # type: ignore[attr-defined]
+    server = Server(checkpoint, folder / f"{name}.log", "--prefill-step-size", str(step), env=env, path=[str(PROBE)])
+    server.probe, server.step = probe, step  # type: ignore[attr-defined]
     return server
 
 
@@ -146,7 +146,7 @@ def trace(server: Server) -> List[dict]:
     return lines
 
 
-def observed_cuts(calls: List[dict]) -> set:
+def observed_cuts(calls: List[dict], step: int = STEP) -> set:
     """The kinds of cut the model saw in prefills of several rows: "inside", a chunk that ends on
     a vision token with more chunks to come (mlx-vlm passes ``n_to_process`` to those); "outside",
     a chunk of a cut prefill in which a row with positions has none of its vision tokens, or a
@@ -159,7 +159,7 @@ def observed_cuts(calls: List[dict]) -> set:
             batches.setdefault(call["cache_id"], []).append(call)
     kinds = set()
     for chunks in batches.values():
-        if not any(c["B_L"][1] == STEP and "n_to_process" in c["kwargs"] for c in chunks):
+        if not any(c["B_L"][1] == step and "n_to_process" in c["kwargs"] for c in chunks):
             kinds.add("one-chunk")
         if len(chunks) < 2:
             continue
@@ -238,4 +238,5 @@ def run_batch(server: Server, alone: Answers, first: Ask, rows: Tuple[Ask, ...],
     starts = [c["offset"] for c in calls if c["B_L"][0] > 1 and "n_to_process" in c["kwargs"] and c["offset"]]
     restored = any(isinstance(o, list) and max(o) > 0 and min(o) >= 0 for o in starts)
     errors = [c["error"] for c in calls if "error" in c]
-    return Outcome(got, want, observed_cuts(calls), STEP in chunks, 1 in chunks, restored, errors)
+    step = getattr(server, "step", STEP)
+    return Outcome(got, want, observed_cuts(calls, step), step in chunks, 1 in chunks, restored, errors)

@@ -112,9 +112,13 @@ def main(argv: List[str]) -> int:
     rng = random.Random(args.seed)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="mixed_soak-"))
     checkpoint = build_tiny_checkpoint(folder / "tiny", layout="original")
+    apc = {"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"}
+    # Two prefill steps: 128 cuts most batches (inside and outside pictures); 512 leaves a batch
+    # with a picture or a cached picture turn in one chunk.
     started = {
-        "plain": start(checkpoint, folder, "plain", {}),
-        "cached": start(checkpoint, folder, "cached", {"APC_ENABLED": "1", "APC_BLOCK_SIZE": "16"}),
+        f"{name}-{step}": start(checkpoint, folder, f"{name}-{step}", env, step)
+        for name, env in (("plain", {}), ("cached", apc))
+        for step in (128, 512)
     }
     seen: Counter = Counter()
     wrong: List[str] = []
@@ -126,10 +130,10 @@ def main(argv: List[str]) -> int:
     deadline = time.monotonic() + 60 * args.minutes
     wanted = {c for c in itertools.product(HOLDS, CUTS, PREFIXES) if c not in IMPOSSIBLE}
     with serving(started) as servers:
-        alone = Answers(servers["plain"])
+        alone = Answers(servers["plain-128"])
         while time.monotonic() < deadline and (sent < args.requests or not wanted <= set(seen)):
             prefix, rows, warm = _batch(rng, batches)
-            server = servers["plain" if prefix == "none" else "cached"]
+            server = servers[f"{'plain' if prefix == 'none' else 'cached'}-{rng.choice((128, 512))}"]
             outcome = run_batch(server, alone, running(f"soak{batches}"), rows, warm)
             holds = _holds(rows)
             for cut in outcome.cuts or {"not batched"}:
