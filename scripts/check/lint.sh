@@ -18,3 +18,5 @@ else
   "$tools/bin/ruff" check .
   "$tools/bin/ruff" format --check .
 fi
+# The import directions (scripts/README.md): scripts/ never imports tests/, nothing shipped imports either.
+python3 scripts/check/imports.py
