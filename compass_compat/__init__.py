@@ -3,13 +3,19 @@
 ``import compass_compat`` patches the installed mlx-vlm (see :func:`apply_patch`):
 afterwards ``mlx_vlm.load`` / ``mlx_vlm.generate`` handle ``cohere_compass``
 checkpoints. Where mlx-vlm ships its own ``cohere_compass`` (0.6.13 and later)
-that one stays live unless ``COMPASS_COMPAT_FORCE_VENDORED=1`` is set (or
-``apply_patch(force_vendored=True)`` is called); :func:`implementation_info`
+that one is live only if the checklist's recorded verdict for that release passes
+every item (``compass_compat/verdicts.json``); elsewhere the vendored package is.
+``COMPASS_COMPAT_IMPLEMENTATION=auto|vendored|upstream`` (or
+``apply_patch(implementation=...)``) overrides the rule; :func:`implementation_info`
 says which one is live and why. Importing never imports torch.
 """
 
+import sys
+from typing import Optional
+
 from ._patch import (
     FORCE_ENV,
+    IMPLEMENTATION_ENV,
     ImplementationInfo,
     apply_patch,
     implementation_info,
@@ -23,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORCE_ENV",
+    "IMPLEMENTATION_ENV",
     "CompassCompatError",
     "ImplementationInfo",
     "apply_patch",
@@ -32,4 +39,19 @@ __all__ = [
     "vendor_root",
 ]
 
-apply_patch()
+
+def _running_the_cli() -> bool:
+    """Whether this interpreter was started as ``python -m compass_compat ...``."""
+    argv = getattr(sys, "orig_argv", [])
+    return any(a == "-m" and b in ("compass_compat", "compass_compat.cli") for a, b in zip(argv, argv[1:]))
+
+
+# Why the patch could not apply, for the command line: its --help and info still run, every
+# other command says it in one line. Importing the package anywhere else raises.
+UNAVAILABLE: Optional[CompassCompatError] = None
+try:
+    apply_patch()
+except CompassCompatError as error:
+    if not _running_the_cli():
+        raise
+    UNAVAILABLE = error

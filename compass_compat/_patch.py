@@ -7,9 +7,11 @@ What :func:`apply_patch` does, all or nothing:
    ``import mlx_vlm.models.cohere_compass`` (what mlx-vlm's own loader does)
    finds the vendored package where mlx-vlm has none, and upstream's where it
    ships one;
-2. with ``force_vendored`` (argument or ``COMPASS_COMPAT_FORCE_VENDORED=1``)
-   makes the vendored package the live ``mlx_vlm.models.cohere_compass`` even
-   where upstream ships one, also if upstream's was already imported;
+2. where the installed mlx-vlm ships its own ``cohere_compass`` (0.6.13+), makes the vendored
+   package the live ``mlx_vlm.models.cohere_compass`` (also if upstream's was already imported)
+   unless the checklist's recorded verdict for that release passes every item
+   (:mod:`compass_compat.verdicts`); the switch ``implementation`` (argument or
+   ``COMPASS_COMPAT_IMPLEMENTATION``: auto, vendored, upstream) overrides the rule;
 3. registers ``cohere_compass`` in ``mlx_vlm.prompt_utils.MODEL_CONFIG`` with
    the image-first list message format (in place);
 4. wraps ``transformers.AutoProcessor.from_pretrained`` so a local checkpoint
@@ -39,6 +41,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import json
+import logging
 import os
 import sys
 import threading
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import verdicts
 from .errors import CompassCompatError
 from .vendor import package_dir, vendor_root
 
@@ -53,7 +57,9 @@ MODEL_TYPE = "cohere_compass"
 PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
 PROCESSING_MODULE = f"{PACKAGE}.processing_{MODEL_TYPE}"
 PROCESSOR_CLASS = "CohereCompassProcessor"
-FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
+IMPLEMENTATION_ENV = "COMPASS_COMPAT_IMPLEMENTATION"
+SWITCH_VALUES = ("auto", "vendored", "upstream")
+FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"  # =1: IMPLEMENTATION=vendored, kept as an alias
 MLX_LM_ENV = "COMPASS_COMPAT_MLX_LM"
 MLX_LM_PACKAGE = f"mlx_lm.models.{MODEL_TYPE}"
 TAG = "__compass_compat__"
@@ -68,8 +74,11 @@ _Undo = Tuple[str, Callable[[], None]]
 @dataclass
 class _State:
     applied: bool = False
-    forced: bool = False
+    forced: bool = False  # the vendored package made live over (or instead of) upstream's
     force_source: str = ""
+    switch: str = "auto"  # the switch's value, and where it came from
+    switch_source: str = ""
+    verdict: Optional[verdicts.Verdict] = None  # the record's word where mlx-vlm ships its own
     processor_hook: bool = False
     mlx_lm: bool = False
     undo: List[_Undo] = field(default_factory=list)
@@ -89,11 +98,15 @@ class ImplementationInfo:
             resolvable) package, or None.
         loaded: whether ``mlx_vlm.models.cohere_compass`` is in ``sys.modules``.
         patched: whether :func:`apply_patch` is in effect.
-        forced: whether the vendored package was forced over upstream's.
+        forced: whether the vendored package was made live over upstream's.
         upstream_available: whether the installed mlx-vlm ships its own package.
         mlx_vlm_version: the installed mlx-vlm version.
         vendor_dir: the vendored tree this copy of compass-compat uses.
         reason: one sentence saying why this implementation is the live one.
+        switch: ``COMPASS_COMPAT_IMPLEMENTATION`` as applied: auto, vendored or upstream.
+        verdict: what the recorded checklist verdicts say of the installed mlx-vlm's own
+            ``cohere_compass`` (the items it fails, or how to record a verdict), or "" where
+            mlx-vlm ships none.
     """
 
     implementation: str
@@ -105,6 +118,8 @@ class ImplementationInfo:
     mlx_vlm_version: str
     vendor_dir: str
     reason: str
+    switch: str = "auto"
+    verdict: str = ""
 
 
 # ---------------------------------------------------------------- locations
@@ -152,6 +167,35 @@ class _Hooks:
     mlx_lm_models: Any = None
 
 
+def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tuple[str, str]:
+    """The switch's value (auto, vendored, upstream) and where it came from."""
+    if isinstance(implementation, bool):  # apply_patch(True): the older positional force_vendored
+        implementation, force_vendored = None, implementation
+    if implementation is not None:
+        value, source = str(implementation).strip().lower(), f"apply_patch(implementation={implementation!r})"
+    elif force_vendored is not None:
+        value = "vendored" if force_vendored else "auto"
+        source = f"apply_patch(force_vendored={force_vendored})"
+    else:
+        raw = os.environ.get(IMPLEMENTATION_ENV, "")
+        value, source = (raw.strip().lower() or "auto"), (f"{IMPLEMENTATION_ENV}={raw}" if raw.strip() else "")
+        forced, force_source = _flag_from_env(FORCE_ENV)
+        if forced and value == "upstream":
+            raise CompassCompatError(
+                f"{FORCE_ENV}=1 asks for the vendored cohere_compass and {IMPLEMENTATION_ENV}={raw} for "
+                f"upstream's: unset one of them"
+            )
+        if forced:
+            value, source = "vendored", force_source
+    if value not in SWITCH_VALUES:
+        raise CompassCompatError(
+            f"{source or IMPLEMENTATION_ENV} is not one of {', '.join(SWITCH_VALUES)} (which cohere_compass is "
+            "live: auto follows the checklist's recorded verdicts; vendored is compass-compat's; upstream is "
+            "mlx-vlm's own, 0.6.13 and later)"
+        )
+    return value, source
+
+
 def _flag_from_env(name: str) -> Tuple[bool, str]:
     raw = os.environ.get(name, "")
     value = raw.strip().lower()
@@ -171,8 +215,23 @@ def _import_or_none(name: str) -> Any:
         raise
 
 
+MLX_BUILDS = (
+    "install an MLX build: pip install 'compass-compat[cpu]' on Linux without a GPU, "
+    "'compass-compat[cuda]' with CUDA 12 ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
+)
+
+
+def _require_mlx() -> None:
+    """mlx itself loads (on Linux plain ``mlx`` has no backend: libmlx.so is missing)."""
+    try:
+        import mlx.core  # noqa: F401
+    except (ImportError, OSError) as err:
+        raise CompassCompatError(f"mlx cannot load here ({type(err).__name__}: {err}): {MLX_BUILDS}") from err
+
+
 def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     """Look up every hook; raise naming all missing ones. Changes nothing."""
+    _require_mlx()
     import mlx_vlm
 
     version = _mlx_vlm_version()
@@ -574,52 +633,74 @@ def _run_undo(steps: List[_Undo], version: str) -> None:
         )
 
 
-def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = None) -> bool:
+def apply_patch(
+    implementation: Optional[str] = None,
+    mlx_lm: Optional[bool] = None,
+    *,
+    force_vendored: Optional[bool] = None,
+) -> bool:
     """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints.
 
     Args:
-        force_vendored: make the vendored package the live
-            ``mlx_vlm.models.cohere_compass`` even where the installed mlx-vlm
-            (>= 0.6.13) ships its own, purging an already imported upstream
-            module. None (the default) reads ``COMPASS_COMPAT_FORCE_VENDORED``
-            (1/true/yes/on). Without forcing, upstream wins where it exists.
+        implementation: which ``cohere_compass`` is live where the installed mlx-vlm (0.6.13 and
+            later) ships its own: ``"auto"`` (upstream's only if the checklist's recorded verdict
+            for this release passes every item, else the vendored package, made live also if
+            upstream's was imported already), ``"vendored"`` or ``"upstream"``. None (the
+            default) reads ``COMPASS_COMPAT_IMPLEMENTATION`` (empty: auto), or
+            ``COMPASS_COMPAT_FORCE_VENDORED=1`` (an alias of vendored). Where mlx-vlm ships none,
+            the vendored package is live whatever the switch says (upstream is then an error).
         mlx_lm: also register the vendored text decoder with mlx-lm
             (``mlx_lm.models.cohere_compass``, text prompts only). None (the
-            default) reads ``COMPASS_COMPAT_MLX_LM``. Needs the vendored
-            package live (any pin before 0.6.13, or forced).
+            default) reads ``COMPASS_COMPAT_MLX_LM``. Needs the vendored package live.
+        force_vendored: the older form of ``implementation="vendored"`` (False: auto).
 
     Returns:
-        True if this call changed anything; False if the patch was already in
-        effect (a default call after any apply, or a forced call after a forced
-        apply). A forced call after a default apply upgrades it and returns
-        True, as does an ``mlx_lm`` call after an apply without it. To go back
-        (forced to default, or mlx-lm off), call :func:`remove_patch` first.
+        True if this call changed anything; False if the patch was already in effect as asked.
+        An ``mlx_lm`` call after an apply without it upgrades it and returns True. To go from the
+        vendored package back to upstream's, call :func:`remove_patch` first.
 
     Raises:
-        CompassCompatError: a hook is missing (mlx-vlm is left exactly as found)
-            or forcing could not make the vendored package live. Any error
-            midway undoes what this call did and propagates.
+        CompassCompatError: a hook is missing (mlx-vlm is left exactly as found), the switch has
+            another value, upstream's package was asked for where mlx-vlm ships none (or after the
+            vendored one was made live), the verdict record is missing or corrupt, or the
+            vendored package could not be made live. Any error midway undoes what this call did
+            and propagates.
     """
-    if force_vendored is None:
-        force, source = _flag_from_env(FORCE_ENV)
-    else:
-        force, source = bool(force_vendored), f"apply_patch(force_vendored={force_vendored})"
+    switch, source = _switch(implementation, force_vendored)
     lm = _flag_from_env(MLX_LM_ENV)[0] if mlx_lm is None else bool(mlx_lm)
     with _LOCK:
-        if _STATE.applied and (_STATE.forced or not force) and (_STATE.mlx_lm or not lm):
-            return False
-        if _STATE.applied and _STATE.forced and not force:
-            force, source = True, _STATE.force_source  # adding mlx-lm keeps an earlier forcing
         hooks = _find_hooks(mlx_lm=lm)
         upstream = _upstream_spec(hooks.models, hooks.vendor) is not None
-        if lm and upstream and not (force or _STATE.forced):
-            # mlx-vlm >= 0.6.13: its own cohere_compass is live, and the mlx-lm module
-            # reuses the vendored decoder classes, which are then not importable.
+        live, verdict = verdicts.live_for(hooks.version, upstream)
+        if switch == "upstream" and not upstream:
             raise CompassCompatError(
-                f"compass-compat cannot register cohere_compass with mlx-lm: mlx-vlm {hooks.version} "
-                f"ships its own cohere_compass, which is live, and the mlx-lm model reuses the "
-                f"vendored decoder; set {FORCE_ENV}=1 as well (or apply_patch(force_vendored=True, "
-                "mlx_lm=True))",
+                f"{source} asks for mlx-vlm's own cohere_compass, but mlx-vlm {hooks.version} ships none "
+                "(the first release that does is 0.6.13): use auto or vendored",
+                mlx_vlm_version=hooks.version,
+            )
+        if switch != "auto":
+            live = switch
+        vendored = live == "vendored"
+        # Where upstream ships one (or the switch asks), the vendored package is made live now,
+        # purging upstream's; elsewhere it resolves through the appended path entry when mlx-vlm
+        # imports it.
+        force = vendored and (upstream or switch == "vendored")
+        if _STATE.applied:
+            if _STATE.forced and not force:
+                raise CompassCompatError(
+                    f"{source} asks for mlx-vlm's own cohere_compass, but the vendored package is already live "
+                    f"({_STATE.force_source}); call compass_compat.remove_patch() first",
+                    mlx_vlm_version=hooks.version,
+                )
+            if (_STATE.forced or not force) and (_STATE.mlx_lm or not lm):
+                return False
+        if lm and not (vendored or _STATE.forced):
+            # mlx-vlm >= 0.6.13 with its own cohere_compass live: the mlx-lm module reuses the
+            # vendored decoder classes, which are then not importable.
+            raise CompassCompatError(
+                f"compass-compat cannot register cohere_compass with mlx-lm: mlx-vlm {hooks.version}'s own "
+                f"cohere_compass is live ({source}), and the mlx-lm model reuses the vendored decoder; "
+                f"set {IMPLEMENTATION_ENV}=vendored (or apply_patch('vendored', mlx_lm=True))",
                 hooks=[f"{MLX_LM_PACKAGE} (needs the vendored {PACKAGE})"],
                 mlx_vlm_version=hooks.version,
             )
@@ -630,10 +711,9 @@ def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = 
             if force:
                 _make_vendored_live(hooks, steps)
             _register_message_format(hooks, overwrite=force, undo=steps)
-            # Where upstream's package is live (mlx-vlm >= 0.6.13, not forced) its
-            # own processing module registers its processor: leave that path alone.
-            hook = force or not upstream
-            if hook:
+            # Where upstream's package is live its own processing module registers its
+            # processor: leave that path alone.
+            if vendored:
                 _install_processor_hook(hooks, steps)
                 _install_loader_guard(steps)
                 _install_video_prompt_hook(steps)
@@ -644,13 +724,29 @@ def apply_patch(force_vendored: Optional[bool] = None, mlx_lm: Optional[bool] = 
         except BaseException:
             _run_undo(steps, hooks.version)
             raise
+        first = not _STATE.applied
         _STATE.undo.extend(steps)
         _STATE.applied = True
-        _STATE.forced = force
-        _STATE.force_source = source if force else ""
-        _STATE.processor_hook = _STATE.processor_hook or hook
+        _STATE.forced = _STATE.forced or force
+        _STATE.force_source = _STATE.force_source or (source or "the recorded verdicts" if force else "")
+        _STATE.switch, _STATE.switch_source, _STATE.verdict = switch, source, verdict
+        _STATE.processor_hook = _STATE.processor_hook or vendored
         _STATE.mlx_lm = _STATE.mlx_lm or lm
-        return True
+    if first:
+        _log_choice()
+    return True
+
+
+_LOGGED: List[bool] = []
+
+
+def _log_choice() -> None:
+    """One INFO line per process naming the live cohere_compass and why."""
+    if _LOGGED:
+        return
+    _LOGGED.append(True)
+    info = implementation_info()
+    logging.getLogger("compass_compat").info("cohere_compass: %s live (%s)", info.implementation, info.reason)
 
 
 def remove_patch() -> bool:
@@ -667,6 +763,7 @@ def remove_patch() -> bool:
         version = _mlx_vlm_version()
         steps, _STATE.undo = _STATE.undo, []
         _STATE.applied, _STATE.forced, _STATE.force_source = False, False, ""
+        _STATE.switch, _STATE.switch_source, _STATE.verdict = "auto", "", None
         _STATE.processor_hook = False
         _STATE.mlx_lm = False
         _run_undo(steps, version)
@@ -707,28 +804,29 @@ def implementation_info() -> ImplementationInfo:
             kind = "vendored"
         else:
             kind = "upstream"
-        applied, forced, source = _STATE.applied, _STATE.forced, _STATE.force_source
-
-    if kind == "vendored" and forced:
-        reason = f"forced by {source}" + (
+        applied, forced = _STATE.applied, _STATE.forced
+        switch, switch_source, verdict = _STATE.switch, _STATE.switch_source, _STATE.verdict
+    if verdict is None and upstream:
+        verdict = verdicts.upstream_verdict(version)  # not applied yet: what auto would go by
+    said = verdict.describe() if verdict is not None else ""
+    asked = switch_source or f"{IMPLEMENTATION_ENV}={switch}"
+    if kind == "vendored" and forced and switch == "vendored":
+        reason = f"{asked} asks for the vendored package" + (
             f"; it replaces the cohere_compass mlx-vlm {version} ships" if upstream else ""
         )
+    elif kind == "vendored" and forced:
+        reason = f"{said}: the vendored package replaces it ({IMPLEMENTATION_ENV}=auto, the default)"
     elif kind == "vendored":
         reason = (
             f"mlx-vlm {version} ships no cohere_compass; the vendored package resolves "
             "through the directory appended to mlx_vlm.models.__path__"
         )
-    elif kind == "upstream" and applied and not forced:
-        reason = (
-            f"mlx-vlm {version} ships its own cohere_compass, which wins by default; "
-            f"set {FORCE_ENV}=1 or call apply_patch(force_vendored=True) to use the vendored copy"
-        )
+    elif kind == "upstream" and applied and switch == "upstream":
+        reason = f"mlx-vlm {version}'s own cohere_compass, as {asked} asks ({said})"
+    elif kind == "upstream" and applied:
+        reason = f"mlx-vlm {version}'s own cohere_compass: {said}"
     elif kind == "upstream":
-        reason = f"mlx-vlm {version}'s own cohere_compass" + (
-            " (compass-compat is not applied)"
-            if not applied
-            else " although forcing was requested: the vendored module was dropped from sys.modules"
-        )
+        reason = f"mlx-vlm {version}'s own cohere_compass (compass-compat is not applied)"
     else:
         reason = f"mlx-vlm {version} ships no cohere_compass and compass-compat is not applied"
     return ImplementationInfo(
@@ -741,4 +839,6 @@ def implementation_info() -> ImplementationInfo:
         mlx_vlm_version=version,
         vendor_dir=str(root),
         reason=reason,
+        switch=switch,
+        verdict=said,
     )

@@ -28,7 +28,7 @@ UPSTREAM_SHIPS = upstream_ships()
 HEAVY = ("compass_compat", "mlx", "mlx_vlm", "transformers", "numpy", "PIL", "torch")
 HOOK = "compass_compat_autopatch"
 IMAGE = Path(__file__).resolve().parent / "fixtures" / "images" / "synth_320x256.png"
-# Which implementation `import compass_compat` makes live here (COMPASS_COMPAT_FORCE_VENDORED
+# Which implementation `import compass_compat` makes live here (COMPASS_COMPAT_IMPLEMENTATION
 # as set for this run); the hook must end in the same state.
 EXPECTED = compass_compat.implementation_info().implementation
 
@@ -392,7 +392,7 @@ def test_with_the_mlx_lm_registration_importing_mlx_lm_applies_it(probes, first)
         assert out["model_file"].startswith(str(compass_compat.vendor_root() / "mlx_lm" / "models"))
     else:  # upstream's cohere_compass is live: the mlx-lm registration is refused, loudly, at the import
         assert (out["error"]["module"], out["error"]["type"]) == ("compass_compat.errors", "CompassCompatError")
-        assert "COMPASS_COMPAT_FORCE_VENDORED=1" in out["error"]["message"]
+        assert "COMPASS_COMPAT_IMPLEMENTATION=vendored" in out["error"]["message"]
         assert out["lm_after"]["finders"] == ["AutopatchFinder"]
 
 

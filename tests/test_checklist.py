@@ -2,8 +2,9 @@
 
 This file is the checklist's CI job: every pin environment of the matrix runs the suite, so
 every pin runs ``python -m compass_compat.checklist`` here (in subprocesses, both against
-upstream and against the vendored copy) and compares each item's verdict with the block recorded
-in CHECKLIST.md. An upstream change therefore turns the build red instead of drifting silently.
+upstream and against the vendored copy) and compares each item's verdict with the record the
+shim decides by (compass_compat/verdicts.json, written by the pin-bump job). An upstream change
+therefore turns the build red instead of drifting silently.
 
 The broken-implementation tests run the checklist's own items against the vendored package with
 one deliberate defect each (monkeypatched in a subprocess, where the vendored package is forced
@@ -29,7 +30,7 @@ from compass_compat import checklist
 from tests.lib.vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKLIST_MD = REPO / "CHECKLIST.md"
+RECORD = REPO / "compass_compat" / "verdicts.json"
 MLX_VLM_VERSION = str(mlx_vlm.__version__)
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()
@@ -60,11 +61,9 @@ def run_json(*args: str) -> Dict[str, Any]:
 
 
 def expected_verdicts() -> Dict[str, Dict[str, Dict[str, str]]]:
-    """The machine-readable block of CHECKLIST.md: pin -> implementation -> item -> verdict."""
-    text = CHECKLIST_MD.read_text(encoding="utf-8")
-    match = re.search(r"<!-- expected-verdicts -->\s*```json\n(.*?)```", text, re.S)
-    assert match, "CHECKLIST.md has no '<!-- expected-verdicts -->' json block"
-    return json.loads(match.group(1))
+    """The record, read as data: release -> implementation -> item -> verdict."""
+    releases = json.loads(RECORD.read_text(encoding="utf-8"))["releases"]
+    return {r: {k: entry[k] for k in ("upstream", "vendored")} for r, entry in releases.items()}
 
 
 def describe(report: Dict[str, Any]) -> str:
@@ -84,11 +83,14 @@ def vendored_report() -> Dict[str, Any]:
 # ----------------------------------------------------- the recorded verdicts
 
 
-def test_checklist_md_block_covers_every_item_of_every_pin():
+def test_the_record_covers_every_item_of_every_pin():
     block = expected_verdicts()
     envs = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
     pins = {env.split("-")[0] for env in envs}  # an environment is "<mlx-vlm version>[-<tag>]"
-    assert sorted(block) == sorted(pins), "CHECKLIST.md must record every mlx-vlm version of scripts/env/pins.sh"
+    missing = pins - set(block)
+    assert not missing, (
+        f"compass_compat/verdicts.json must record every mlx-vlm version of scripts/env/pins.sh: {missing}"
+    )
     for pin, per_impl in block.items():
         assert sorted(per_impl) == ["upstream", "vendored"], pin
         for verdicts in per_impl.values():
@@ -97,18 +99,20 @@ def test_checklist_md_block_covers_every_item_of_every_pin():
 
 
 @pytest.mark.parametrize("implementation", ["upstream", "vendored"])
-def test_verdicts_match_checklist_md(implementation, upstream_report, vendored_report):
+def test_verdicts_match_the_record(implementation, upstream_report, vendored_report):
     report = upstream_report if implementation == "upstream" else vendored_report
     block = expected_verdicts()
     assert MLX_VLM_VERSION in block, (
-        f"CHECKLIST.md records no verdicts for mlx-vlm {MLX_VLM_VERSION}; this run measured:\n" + describe(report)
+        f"compass_compat/verdicts.json records no verdicts for mlx-vlm {MLX_VLM_VERSION}; this run measured:\n"
+        + describe(report)
     )
     assert report["error"] is None, report["error"]
     assert report["mlx_vlm_version"] == MLX_VLM_VERSION
     want = block[MLX_VLM_VERSION][implementation]
     assert report["verdicts"] == want, (
         f"mlx-vlm {MLX_VLM_VERSION}, {implementation}: the checklist's verdicts changed; look at the "
-        f"evidence, then fix the code or update CHECKLIST.md:\n" + describe(report)
+        f"evidence, then fix the code or record the release again (bash scripts/pin_bump/pin_bump.sh "
+        f"{MLX_VLM_VERSION}):\n" + describe(report)
     )
     all_pass = all(v == "PASS" for v in want.values())
     assert report["exit_code"] == (0 if all_pass else 1)
@@ -316,7 +320,11 @@ PLAN = {
 
 @pytest.fixture(scope="module")
 def defects() -> Dict[str, Dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_FORCE_VENDORED"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("COMPASS_COMPAT_FORCE_VENDORED", "COMPASS_COMPAT_IMPLEMENTATION")
+    }
     proc = subprocess.run(
         [sys.executable, "-c", DEFECTS_DRIVER, json.dumps(PLAN)],
         capture_output=True,

@@ -21,7 +21,7 @@ processor is stubbed: it has no tokenizer files, and only AWQ's text calibration
 
 A mode this install computes wrong is refused by the checkpoint checks (compass_compat.probes)
 before mlx-vlm reads the folder, as for hand-made checkpoints in test_quant_modes.py. On 0.7.10
-without COMPASS_COMPAT_FORCE_VENDORED, upstream's own cohere_compass converts and loads: the peer.
+with COMPASS_COMPAT_IMPLEMENTATION=upstream, upstream's own cohere_compass converts and loads: the peer.
 """
 
 from __future__ import annotations

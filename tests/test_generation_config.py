@@ -3,7 +3,7 @@
 Every expectation is measured on this pin's mlx-vlm: ``mlx_vlm.load`` + ``stream_generate`` on
 the same checkpoint, seeded the same way, with the sampling options left unset or passed; never
 taken from ``compass_compat.cli``. Runs on whichever cohere_compass is live (upstream's on
-0.7.10 unless COMPASS_COMPAT_FORCE_VENDORED=1).
+0.7.10 with COMPASS_COMPAT_IMPLEMENTATION=upstream).
 """
 
 from __future__ import annotations

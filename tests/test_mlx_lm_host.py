@@ -59,7 +59,7 @@ def registered():
     if not vendored_live():
         pytest.skip(
             "upstream mlx-vlm's cohere_compass is live on this pin and the mlx-lm model reuses the vendored "
-            "decoder; tested in the COMPASS_COMPAT_FORCE_VENDORED=1 pass (test_refused_while_upstream_is_live runs here)"
+            "decoder; tested in the pin's default run (test_refused_while_upstream_is_live runs here)"
         )
     saved = {n: m for n, m in sys.modules.items() if n == PACKAGE or n.startswith(PACKAGE + ".")}
     apply_patch(mlx_lm=True)
@@ -224,7 +224,7 @@ def test_refused_while_upstream_is_live():
     if vendored_live():
         pytest.skip("the vendored cohere_compass is live on this pin (registration allowed)")
     before = list(mlx_lm.models.__path__)
-    with pytest.raises(CompassCompatError, match="FORCE_VENDORED"):
+    with pytest.raises(CompassCompatError, match="COMPASS_COMPAT_IMPLEMENTATION=vendored"):
         apply_patch(mlx_lm=True)
     assert list(mlx_lm.models.__path__) == before
     assert compass_compat.implementation_info().patched

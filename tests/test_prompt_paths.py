@@ -40,7 +40,7 @@ from packaging.version import Version
 
 from tests.lib.vendored import vendored
 
-vendored()  # our processor on every pin (0.7.10: the COMPASS_COMPAT_FORCE_VENDORED=1 pass)
+vendored()  # our processor on every pin (0.7.10: its default run)
 
 VERSION = Version(str(mlx_vlm.__version__))
 VIDEO_TOKEN = "<|VIDEO_PAD|>"

@@ -1,8 +1,9 @@
-"""The patch shim: path, force switch, prompt format, processor hook, all-or-nothing.
+"""The patch shim: path, the implementation switch, prompt format, processor hook, all-or-nothing.
 
-Runs on every pin. Expectations come from the pin's version (mlx-vlm >= 0.6.13
-ships its own cohere_compass) and from COMPASS_COMPAT_FORCE_VENDORED, which
-scripts/check/matrix.sh sets for the second 0.7.10 run; never from the shim itself.
+Runs on every pin. Expectations come from the pin (mlx-vlm >= 0.6.13 ships its own
+cohere_compass), the recorded verdicts read as data (compass_compat/verdicts.json) and
+COMPASS_COMPAT_IMPLEMENTATION, which scripts/check/matrix.sh sets to upstream for one 0.7.10
+run; never from the shim itself.
 Scenarios that must start from a fresh interpreter (env var set before import,
 upstream imported before the shim) run in subprocesses.
 """
@@ -28,7 +29,7 @@ from transformers import AutoProcessor
 
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
-from tests.lib.vendored import upstream_ships
+from tests.lib.vendored import expected_live, switch_from_env, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"
@@ -36,8 +37,11 @@ VENDORED_PKG = compass_compat.vendor_root() / "mlx_vlm" / "models" / "cohere_com
 MLX_VLM_VERSION = str(mlx_vlm.__version__)
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()
-FORCED_BY_ENV = os.environ.get(compass_compat.FORCE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
-DEFAULT_LIVE = "vendored" if FORCED_BY_ENV or not UPSTREAM_SHIPS else "upstream"
+SWITCH = switch_from_env()
+DEFAULT_LIVE = expected_live()
+# Where upstream ships one, the vendored package is made live over it (purging upstream's modules).
+# Made live at once (purging upstream's modules) where upstream ships one, or where the switch asks.
+FORCED = DEFAULT_LIVE == "vendored" and (UPSTREAM_SHIPS or SWITCH == "vendored")
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
 
 IMAGE_BLOCK = "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"
@@ -105,7 +109,9 @@ def shim_state() -> Dict[str, Any]:
 
 def run_python(code: str, env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None) -> Dict[str, Any]:
     """Run ``code`` in a fresh interpreter of this env; return the JSON of its last stdout line."""
-    full_env = {k: v for k, v in os.environ.items() if k != compass_compat.FORCE_ENV}
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in (compass_compat.FORCE_ENV, compass_compat.IMPLEMENTATION_ENV)
+    }
     full_env["PYTHONPATH"] = str(REPO)
     full_env.update(env or {})
     proc = subprocess.run(
@@ -190,12 +196,13 @@ def test_loader_resolves_expected_implementation():
     assert kind_of(file) == DEFAULT_LIVE, file
     info = implementation_info()
     assert (info.implementation, info.file, info.loaded) == (DEFAULT_LIVE, file, True)
-    assert info.patched and info.forced is FORCED_BY_ENV
+    assert info.patched and info.forced is FORCED
+    assert info.switch == SWITCH
     assert MLX_VLM_VERSION in info.reason
 
 
 def test_implementation_info_before_import_reports_resolvable_file(unpatched):
-    apply_patch(force_vendored=False)
+    apply_patch("upstream" if UPSTREAM_SHIPS else "auto")
     for name in package_modules():
         del sys.modules[name]
     info = implementation_info()
@@ -205,7 +212,7 @@ def test_implementation_info_before_import_reports_resolvable_file(unpatched):
 
 
 def test_force_argument_replaces_already_imported_module(unpatched):
-    assert apply_patch(force_vendored=False) is True
+    assert apply_patch("upstream" if UPSTREAM_SHIPS else "auto") is True
     before = loader_file()  # imports upstream's on 0.6.13+: the "already imported" case
     assert kind_of(before) == ("upstream" if UPSTREAM_SHIPS else "vendored")
     assert apply_patch(force_vendored=True) is True
@@ -228,17 +235,25 @@ def test_force_argument_replaces_already_imported_module(unpatched):
         assert sys.modules[PKG].__file__ == before  # the purged upstream module is back
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    ["env-before-import", "upstream-imported-first", "force-argument-after-default", "env-off"],
-)
-def test_force_switch_in_fresh_interpreter(scenario):
-    env = {"env-before-import": "1", "upstream-imported-first": "1", "env-off": "0"}
+SWITCHES = {  # scenario -> (environment, switch value it stands for)
+    "auto": ({}, "auto"),
+    "vendored": ({"COMPASS_COMPAT_IMPLEMENTATION": "vendored"}, "vendored"),
+    "upstream": ({"COMPASS_COMPAT_IMPLEMENTATION": "upstream"}, "upstream"),
+    "force-alias": ({"COMPASS_COMPAT_FORCE_VENDORED": "1"}, "vendored"),
+    "force-off": ({"COMPASS_COMPAT_FORCE_VENDORED": "0"}, "auto"),
+}
+
+
+@pytest.mark.parametrize("imported_first", [False, True], ids=["fresh", "upstream-imported-first"])
+@pytest.mark.parametrize("scenario", sorted(SWITCHES))
+def test_switch_in_fresh_interpreter(scenario, imported_first):
+    env, switch = SWITCHES[scenario]
+    if switch == "upstream" and not UPSTREAM_SHIPS:
+        pytest.skip(f"mlx-vlm {MLX_VLM_VERSION} ships no cohere_compass: upstream is refused (next test)")
     code = f"""
         import json, sys
-        scenario = {scenario!r}
         pre = None
-        if scenario == "upstream-imported-first":
+        if {imported_first!r}:
             try:
                 import mlx_vlm.models.cohere_compass as up
                 pre = up.__file__
@@ -246,32 +261,49 @@ def test_force_switch_in_fresh_interpreter(scenario):
                 pre = None
         import compass_compat
         from mlx_vlm.utils import get_model_and_args
-        if scenario == "force-argument-after-default":
-            pre = get_model_and_args({{"model_type": "cohere_compass"}})[0].__file__
-            changed = compass_compat.apply_patch(force_vendored=True)
-        else:
-            changed = None
         arch, _ = get_model_and_args({{"model_type": "cohere_compass"}})
         from transformers import AutoProcessor
         info = compass_compat.implementation_info()
         print(json.dumps(dict(pre=pre, file=arch.__file__, live=sys.modules[arch.__name__].__file__,
-            changed=changed, impl=info.implementation, forced=info.forced,
-            hook=bool(getattr(AutoProcessor.from_pretrained, "__compass_compat__", False)))))
+            impl=info.implementation, forced=info.forced, switch=info.switch, reason=info.reason,
+            verdict=info.verdict, hook=bool(getattr(AutoProcessor.from_pretrained, "__compass_compat__", False)))))
     """
-    extra = {compass_compat.FORCE_ENV: env[scenario]} if scenario in env else {}
-    out = run_python(code, extra)
-    forced = scenario != "env-off"
-    expected = "vendored" if forced or not UPSTREAM_SHIPS else "upstream"
+    out = run_python(code, env)
+    expected = expected_live(switch)
     assert kind_of(out["file"]) == kind_of(out["live"]) == out["impl"] == expected
-    assert out["forced"] is forced
-    assert out["hook"] is (expected == "vendored")
-    if scenario == "upstream-imported-first":
+    forced = expected == "vendored" and (UPSTREAM_SHIPS or switch == "vendored")
+    assert (out["switch"], out["forced"], out["hook"]) == (switch, forced, expected == "vendored")
+    if UPSTREAM_SHIPS:
+        assert MLX_VLM_VERSION in out["verdict"] and "item" in out["verdict"]
+        if switch == "auto":  # the choice names what the record says
+            assert out["verdict"] in out["reason"]
+    if imported_first:
         assert (out["pre"] is not None) is UPSTREAM_SHIPS
-        if UPSTREAM_SHIPS:
-            assert kind_of(out["pre"]) == "upstream"
-    if scenario == "force-argument-after-default":
-        assert out["changed"] is True
-        assert kind_of(out["pre"]) == ("upstream" if UPSTREAM_SHIPS else "vendored")
+
+
+def test_upstream_where_mlx_vlm_ships_none_is_refused(unpatched):
+    if UPSTREAM_SHIPS:
+        pytest.skip(f"mlx-vlm {MLX_VLM_VERSION} ships its own cohere_compass")
+    before = shim_state()
+    with pytest.raises(CompassCompatError, match="ships none"):
+        apply_patch("upstream")
+    assert shim_state() == before
+
+
+@pytest.mark.parametrize("value", ["foo", "forced", "1"])
+def test_bad_switch_value_is_named(unpatched, monkeypatch, value):
+    monkeypatch.setenv(compass_compat.IMPLEMENTATION_ENV, value)
+    before = shim_state()
+    with pytest.raises(CompassCompatError, match="auto, vendored, upstream"):
+        apply_patch()
+    assert shim_state() == before
+
+
+def test_switch_and_alias_that_disagree_are_refused(unpatched, monkeypatch):
+    monkeypatch.setenv(compass_compat.IMPLEMENTATION_ENV, "upstream")
+    monkeypatch.setenv(compass_compat.FORCE_ENV, "1")
+    with pytest.raises(CompassCompatError, match="unset one of them"):
+        apply_patch()
 
 
 def test_invalid_force_value_is_loud(unpatched, monkeypatch):
@@ -288,7 +320,7 @@ def test_invalid_force_value_is_loud(unpatched, monkeypatch):
 def test_second_apply_is_a_noop():
     before = shim_state()
     assert apply_patch() is False
-    assert apply_patch(force_vendored=FORCED_BY_ENV) is False
+    assert apply_patch(SWITCH) is False
     assert shim_state() == before
 
 
@@ -380,7 +412,7 @@ def test_message_format_registered_in_place(unpatched):
     # The image-first list format, the one qwen3_vl uses on every pin.
     assert table["cohere_compass"] is prompt_utils.MessageFormat.LIST_WITH_IMAGE_FIRST
     assert table["qwen3_vl"] is prompt_utils.MessageFormat.LIST_WITH_IMAGE_FIRST
-    if had_upstream_entry and not FORCED_BY_ENV:
+    if had_upstream_entry and DEFAULT_LIVE == "upstream":
         assert table["cohere_compass"] is upstream_value
 
 
@@ -588,8 +620,60 @@ from mlx_vlm.utils import get_model_and_args
 arch, _ = get_model_and_args({"model_type": "cohere_compass"})
 print(json.dumps({"after_import": after_import, "after_load": "torch" in sys.modules, "file": arch.__file__}))
 """,
-        env={compass_compat.FORCE_ENV: "1" if FORCED_BY_ENV else "0"},
+        env={compass_compat.IMPLEMENTATION_ENV: SWITCH},
         cwd=Path("/"),
     )
     assert out["after_import"] is False and out["after_load"] is False
     assert kind_of(out["file"]) == DEFAULT_LIVE
+
+
+# ------------------------------------------------------- the recorded verdicts
+
+
+@pytest.mark.parametrize("damage", ["missing", "not json", "no releases", "a verdict of MAYBE"])
+def test_a_missing_or_corrupt_record_is_refused_by_name(unpatched, monkeypatch, tmp_path, damage):
+    """The record decides which cohere_compass is live: never a silent fallback when it is damaged."""
+    from compass_compat import verdicts
+
+    bad = tmp_path / "verdicts.json"
+    record = json.loads(verdicts.FILE.read_text(encoding="utf-8"))
+    if damage == "not json":
+        bad.write_text("{not json")
+    elif damage == "no releases":
+        bad.write_text(json.dumps({"items": record["items"]}))
+    elif damage == "a verdict of MAYBE":
+        release = next(iter(record["releases"]))
+        record["releases"][release]["upstream"]["2"] = "MAYBE"
+        bad.write_text(json.dumps(record))
+    monkeypatch.setattr(verdicts, "FILE", bad)
+    before = shim_state()
+    with pytest.raises(CompassCompatError, match=str(bad)):
+        apply_patch()
+    assert shim_state() == before
+
+
+def test_a_release_with_no_record_gets_the_vendored_package_and_says_how_to_record_one(tmp_path):
+    """mlx-vlm reporting a version the record has never seen (or one that does not parse)."""
+    from compass_compat import verdicts
+
+    for release in ("0.99.1", "not-a-version"):
+        live, verdict = verdicts.live_for(release, upstream_ships=True)
+        assert live == "vendored" and verdict is not None and not verdict.recorded
+        assert f"no verdict recorded for mlx-vlm {release}" in verdict.describe()
+        assert f"pin_bump.sh {release}" in verdict.describe()
+
+
+def test_the_rule_takes_upstream_only_where_every_item_passes(tmp_path):
+    from compass_compat import verdicts
+
+    record = json.loads(verdicts.FILE.read_text(encoding="utf-8"))
+    entry = next(iter(record["releases"].values()))
+    passing = {**entry, "upstream": dict.fromkeys(entry["upstream"], "PASS")}
+    failing = {**entry, "upstream": {**passing["upstream"], "11": "FAIL"}}
+    record["releases"] = {"9.0.0": passing, "9.0.1": failing}
+    path = tmp_path / "verdicts.json"
+    path.write_text(json.dumps(record))
+    assert verdicts.live_for("9.0.0", True, path)[0] == "upstream"
+    live, verdict = verdicts.live_for("9.0.1", True, path)
+    assert live == "vendored" and verdict.failing == ((11, record["items"]["11"]),)
+    assert verdicts.live_for("9.0.0", False, path) == ("vendored", None)

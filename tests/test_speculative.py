@@ -11,7 +11,7 @@ speculative decoding must give the plain greedy tokens or not run.
   prompt's forward pass (vendored ``speculative.refuse_speculative``), before the first token,
   through ``generate_step``, ``stream_generate`` with a picture, and mlx-vlm's server started with
   ``--draft-model`` (the request gets the server's 500 with the refusal as its detail).
-- The control (qwen3_vl) and, on 0.7.10 without COMPASS_COMPAT_FORCE_VENDORED, upstream's own
+- The control (qwen3_vl) and, on 0.7.10 with COMPASS_COMPAT_IMPLEMENTATION=upstream, upstream's own
   cohere_compass are run the same way: either their speculative greedy tokens equal the plain
   ones, or the failure comes from inside mlx-vlm's speculative package (the pin's, reported).
 """

@@ -21,10 +21,11 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.lib.vendored import upstream_ships
+from tests.lib.vendored import expected_live, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
+IMPLEMENTATION_ENV = "COMPASS_COMPAT_IMPLEMENTATION"
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()
 
@@ -101,8 +102,11 @@ def test_wheel_version_is_the_package_version(wheel: Path):
     assert wheel.name.startswith(f"compass_compat-{compass_compat.__version__}-"), wheel.name
 
 
-@pytest.mark.parametrize("mode", ["default", "forced"])
+@pytest.mark.parametrize("mode", ["auto", "vendored", "upstream"])
 def test_installed_wheel_applies_the_patch(installed: Dict[str, Path], tmp_path: Path, mode: str):
+    """The shipped record decides (auto), the switch overrides; from the wheel, not the checkout."""
+    if mode == "upstream" and not UPSTREAM_SHIPS:
+        pytest.skip("this mlx-vlm ships no cohere_compass (upstream is refused: tests/test_shim.py)")
     code = textwrap.dedent(
         """
         import json, sys
@@ -114,8 +118,8 @@ def test_installed_wheel_applies_the_patch(installed: Dict[str, Path], tmp_path:
                           "impl": info.implementation, "sys_path": sys.path}))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", FORCE_ENV)}
-    env[FORCE_ENV] = "1" if mode == "forced" else "0"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", FORCE_ENV, IMPLEMENTATION_ENV)}
+    env[IMPLEMENTATION_ENV] = mode
     proc = run([installed["python"], "-c", code], cwd=tmp_path, env=env)  # cwd outside the repo
     out = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -123,7 +127,7 @@ def test_installed_wheel_applies_the_patch(installed: Dict[str, Path], tmp_path:
     assert under(out["shim"], wheel_pkg)
     assert Path(out["vendor"]) == (wheel_pkg / "_vendor").resolve()
     assert not any(p and os.path.realpath(p) == str(REPO) for p in out["sys_path"])
-    expected = "vendored" if mode == "forced" or not UPSTREAM_SHIPS else "upstream"
+    expected = expected_live(mode)
     assert out["impl"] == expected
     if expected == "vendored":
         assert under(out["arch"], wheel_pkg / "_vendor" / "mlx_vlm" / "models" / "cohere_compass")

@@ -29,6 +29,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
+        "--recorded",
+        action="store_true",
+        help="print the recorded verdicts per release (compass_compat/verdicts.json: they decide which "
+        "cohere_compass is live) and exit",
+    )
+    parser.add_argument(
         "--implementation",
         choices=IMPLEMENTATIONS,
         default=UPSTREAM,
@@ -44,6 +50,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="directory with reference/ and images/ (default: <repo>/tests/fixtures)",
     )
     args = parser.parse_args(argv)
+    if args.recorded:
+        from .. import verdicts
+
+        print("\n".join(verdicts.table()))
+        return 0
     try:
         report = run_checklist(args.implementation, args.items, args.fixtures)
     except ValueError as exc:

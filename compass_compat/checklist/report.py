@@ -15,7 +15,8 @@ EXIT_PASS, EXIT_FAIL, EXIT_COULD_NOT_RUN = 0, 1, 2
 
 @dataclass(frozen=True)
 class Item:
-    """One checklist item: its number, its claim and why it matters.
+    """One checklist item: its number, its claim, why it matters, and a short name (the
+    recorded verdicts, compass_compat/verdicts.json, name items by it).
 
     ``title`` names the implementation as ``{impl}`` (see :meth:`title_for`).
     """
@@ -23,6 +24,7 @@ class Item:
     number: int
     title: str
     why: str
+    name: str
 
     def title_for(self, implementation: str) -> str:
         """The claim, about ``implementation`` ("upstream" or "vendored")."""
@@ -31,47 +33,55 @@ class Item:
 
 # Numbers and titles are CHECKLIST.md's; its expected-verdicts block is keyed by these numbers.
 ITEMS: Tuple[Item, ...] = (
-    Item(1, "{impl} ships cohere_compass", "without it mlx-vlm cannot load the model at all"),
+    Item(1, "{impl} ships cohere_compass", "without it mlx-vlm cannot load the model at all", "ships cohere_compass"),
     Item(
         2,
         "{impl}'s text path matches the reference (prefill logits within 1e-4, 32 greedy ids)",
         "a wrong window, norm or rope silently degrades every answer",
+        "text path",
     ),
     Item(
         3,
         "{impl}'s image path matches the reference (pixels, image tokens, positions, logits, greedy ids; "
         "image files honoured; no double BOS)",
         "wrong pixels or MRoPE positions silently degrade every image answer",
+        "image path",
     ),
     Item(
         4,
         "{impl} has a public encode_image; its cached replay logits identical to the uncached path (deepstack included)",
         "hosts that cache image features would silently lose the deepstack residuals",
+        "encode_image replay",
     ),
     Item(
         5,
         "MODEL_CONFIG registers cohere_compass ({impl})",
         "an unregistered model type silently drops the images from the prompt",
+        "MODEL_CONFIG entry",
     ),
     Item(
         6,
         "AutoProcessor builds {impl}'s processor for a checkpoint folder without torch",
         "hosts without torch could not load the model",
+        "torch-free processor",
     ),
     Item(
         7,
         "the rotary helpers (and every other mlx-lm / mlx-vlm name) the vendored code imports exist at this pin",
         "the vendored copy itself would fail to import",
+        "vendored imports",
     ),
     Item(
         8,
         "a quantized checkpoint (4-bit, group 64) loads and generates through {impl}",
         "published MLX conversions are quantized",
+        "quantized checkpoint",
     ),
     Item(
         9,
         "both weight layouts (original and MLX) load through {impl}",
         "CohereLabs checkpoints and MLX conversions use different key names",
+        "both weight layouts",
     ),
     Item(
         10,
@@ -79,6 +89,7 @@ ITEMS: Tuple[Item, ...] = (
         "no text, no error ({impl})",
         "vocab_size exceeds the tokenizer (262144 vs 255035): one sampled padding id ends the stream "
         "with an IndexError",
+        "vocabulary-padding ids",
     ),
     Item(
         11,
@@ -86,12 +97,14 @@ ITEMS: Tuple[Item, ...] = (
         "logits, greedy ids)",
         "a video prompt without its per-patch timestamps, or video tokens embedded as text, silently "
         "degrades every video answer",
+        "video path",
     ),
     Item(
         12,
         "every feature this mlx-vlm offers (generation keywords, server flags and routes, python -m "
         "modules) is listed in docs/features.md",
         "a feature a new release adds would reach users of this model untested",
+        "feature surface listed",
     ),
 )
 ITEM_NUMBERS = tuple(item.number for item in ITEMS)

@@ -37,9 +37,9 @@ class Target:
 def select_implementation(kind: str) -> Target:
     """Make ``kind`` the live ``mlx_vlm.models.cohere_compass`` and say where it lives.
 
-    upstream: the default patch (upstream wins), undoing a forced patch first (e.g.
-    ``COMPASS_COMPAT_FORCE_VENDORED=1`` in the environment); vendored:
-    ``apply_patch(force_vendored=True)``.
+    upstream: ``apply_patch("upstream")``, undoing an earlier patch that made the vendored
+    package live (the recorded verdicts, or the switch in the environment); vendored:
+    ``apply_patch("vendored")``.
     """
     if kind not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {kind!r}")
@@ -48,10 +48,11 @@ def select_implementation(kind: str) -> Target:
     try:
         info = compass_compat.implementation_info()
         if kind == VENDORED:
-            compass_compat.apply_patch(force_vendored=True)
-        elif info.forced or not info.patched:
-            compass_compat.remove_patch()
-            compass_compat.apply_patch(force_vendored=False)
+            compass_compat.apply_patch(VENDORED)
+        elif info.upstream_available:
+            if info.forced:
+                compass_compat.remove_patch()
+            compass_compat.apply_patch(UPSTREAM)
         info = compass_compat.implementation_info()
     except compass_compat.CompassCompatError as exc:
         raise CouldNotRun(f"could not select the {kind} cohere_compass: {exc}") from exc

@@ -14,8 +14,9 @@
 #   single-threaded Python mostly), newest pin first. junit XML and the full log of each run go
 #   to build/matrix/<run>.{xml,log}; each run's own time is in the table.
 # - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
-#   twice: "<env>" as users get it (upstream wins) and "<env>+forced" with
-#   COMPASS_COMPAT_FORCE_VENDORED=1, where the vendored model is the live one.
+#   twice: "<env>" as users get it (the recorded verdicts choose: the vendored package on 0.7.10)
+#   and "<env>+upstream" with COMPASS_COMPAT_IMPLEMENTATION=upstream, mlx-vlm's own package live,
+#   so upstream's verdicts stay measured (tests of the vendored model skip there, saying so).
 # - Exits non-zero if any environment could not be built or any run failed; pytest's
 #   exit code 5 (no tests collected) counts as a failure.
 # Extra pytest arguments: MATRIX_PYTEST_ARGS="-x -k shim" scripts/check/matrix.sh
@@ -71,14 +72,14 @@ env_ready() {
 }
 
 run_one() {
-  local label="$1" pin="$2" force="$3"
+  local label="$1" pin="$2" switch="$3"
   local py xml="$out/$label.xml" log="$out/$label.log" start rc seconds status
   local passed=0 failed=0 skipped=0 version tf
   py="$(env_dir "$pin")/bin/python"
   rm -f "$xml"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  (cd "$root" && COMPASS_COMPAT_FORCE_VENDORED="$force" "$py" -m pytest tests -q \
+  (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED COMPASS_COMPAT_IMPLEMENTATION="$switch" "$py" -m pytest tests -q \
       --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - start ))
@@ -102,20 +103,20 @@ run_one() {
 }
 
 # ---- runs, $jobs at a time, each as soon as its environment is ready. An environment whose
-# mlx-vlm ships cohere_compass also gets the forced run, first.
+# mlx-vlm ships cohere_compass also gets the run with upstream's package live, first.
 run_pids=()
 running() { local n=0 pid; for pid in "${run_pids[@]}"; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done; echo $n; }
 for pin in "${order[@]}"; do
   env_ready "$pin" || continue
-  labels=("$pin|0")
+  labels=("$pin|auto")
   if compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
-    labels=("$pin+forced|1" "$pin|0")
+    labels=("$pin+upstream|upstream" "$pin|auto")
   fi
   for run in "${labels[@]}"; do
-    label="${run%|*}"; force="${run#*|}"
+    label="${run%|*}"; switch="${run#*|}"
     while [ "$(running)" -ge "$jobs" ]; do sleep 1; done
-    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_FORCE_VENDORED=$force)"
-    run_one "$label" "$pin" "$force" &
+    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_IMPLEMENTATION=$switch)"
+    run_one "$label" "$pin" "$switch" &
     run_pids+=($!)
   done
 done
@@ -127,7 +128,7 @@ wall=$(( $(date +%s) - matrix_start ))
 echo
 printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
 for pin in "${pins[@]}"; do
-  for label in "$pin" "$pin+forced"; do
+  for label in "$pin" "$pin+upstream"; do
     [ -f "$out/$label.row" ] || continue
     IFS='|' read -r label version tf passed failed skipped seconds status <"$out/$label.row"
     printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"

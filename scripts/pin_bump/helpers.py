@@ -12,8 +12,8 @@ Subcommands:
   rebuild REPORTS_DIR TABLE.md                               rewrite the table's rows from the reports
   spread                   < releases, oldest first           an order whose every prefix spans the range
 
-The report compares each checklist verdict with CHECKLIST.md's expected-verdicts block (whatever
-items it lists) for the nearest recorded pin at or below the release.
+The report compares each checklist verdict with the record (compass_compat/verdicts.json, whatever
+items it lists) for the nearest recorded release at or below this one (before this run records it).
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ def _load_json(path: Path) -> Optional[Dict[str, Any]]:
         return None
 
 
-def expected_block(checklist_md: Path) -> Dict[str, Any]:
-    text = checklist_md.read_text(encoding="utf-8")
-    match = re.search(r"<!-- expected-verdicts -->\s*```json\n(.*?)```", text, re.S)
-    return json.loads(match.group(1)) if match else {}
+def expected_block(record: Path) -> Dict[str, Any]:
+    """The recorded verdicts: release -> implementation -> item -> verdict."""
+    data = _load_json(record) or {}
+    return {r: {k: e[k] for k in ("upstream", "vendored")} for r, e in data.get("releases", {}).items()}
 
 
 def nearest_pin(block: Dict[str, Any], version: str) -> Optional[str]:
@@ -149,7 +149,7 @@ def build_report(work: Path) -> Dict[str, Any]:
     meta = _load_json(work / "meta.json") or {}
     version = meta.get("mlx_vlm", "?")
     repo = Path(meta.get("repo", "."))
-    block = expected_block(repo / "CHECKLIST.md")
+    block = expected_block(repo / "compass_compat" / "verdicts.json")
     pin = nearest_pin(block, version) if version != "?" else None
     freeze = _freeze(work / "freeze.txt")
     resolved = {name: freeze.get(name, "-") for name in KEY_PACKAGES}
@@ -190,7 +190,7 @@ def build_report(work: Path) -> Dict[str, Any]:
             else f"the vendored checklist did not run: {vend['error']}"
         )
     elif vend["differences"]:
-        problems.append(f"vendored verdicts differ from CHECKLIST.md ({pin}): {vend['differences']}")
+        problems.append(f"vendored verdicts differ from the record ({pin}): {vend['differences']}")
     up = checklist["upstream"]
     if up["error"] or up["exit_code"] not in (0, 1):
         problems.append(f"the upstream checklist could not run: {up['error']}")
@@ -198,7 +198,7 @@ def build_report(work: Path) -> Dict[str, Any]:
         notes.append(
             f"upstream verdicts differ from those recorded for {pin}: "
             + ", ".join(f"item {d['item']} {d['measured']} (recorded {d['expected']})" for d in up["differences"])
-            + "; record this release's verdicts in CHECKLIST.md if it becomes a pin"
+            + "; this run records them in compass_compat/verdicts.json: review that diff"
         )
 
     tests = junit_counts(work / "pytest.xml")
@@ -317,15 +317,15 @@ def render_md(r: Dict[str, Any]) -> str:
             + (f" [{c['seconds']} s]" if c["seconds"] is not None else "")
         )
         if c["expected_from"] is None:
-            lines.append("  - CHECKLIST.md records no pin at or below this release: nothing to compare with")
+            lines.append("  - the record has no release at or below this one: nothing to compare with")
         elif c["differences"]:
             for d in c["differences"]:
                 lines.append(
-                    f"  - item {d['item']}: measured {d['measured']}, CHECKLIST.md records {d['expected']} "
+                    f"  - item {d['item']}: measured {d['measured']}, the record says {d['expected']} "
                     f"for {c['expected_from']}"
                 )
         else:
-            lines.append(f"  - every verdict equals CHECKLIST.md's for {c['expected_from']}")
+            lines.append(f"  - every verdict equals the record's for {c['expected_from']}")
         for item, text in (c.get("evidence") or {}).items():
             short = text.replace("\n", " ")
             lines.append(f"  - {item}: {short[:300]}{'...' if len(short) > 300 else ''}")

@@ -31,8 +31,10 @@
 #   3. python -m compass_compat generate --no-verbose (the default checkpoint, the demo picture),
 #      vendored live, as installed (where upstream ships cohere_compass), and in the matrix
 #      environment on the same checkout: the text hashes must agree.
-# The report compares every checklist verdict with CHECKLIST.md's expected-verdicts block for the
-# nearest recorded pin at or below VERSION, whatever items it lists.
+# The report compares every checklist verdict with the record (compass_compat/verdicts.json) for the
+# nearest recorded release at or below VERSION, whatever items it lists; then, where the release ships
+# cohere_compass, writes this run's verdicts into that record (scripts/pin_bump/record.py), which
+# decides the live implementation there (review and commit the diff).
 #
 # Exit status (as the checklist's): 0 upstream's cohere_compass passes every item (it can replace
 # the vendored copy); 1 keep the vendored copy, everything of ours fine; 2 something of ours broke
@@ -50,6 +52,7 @@ py="${PYTHON:-python3}"
 SWEEP_TESTS=(tests/test_quant_modes.py tests/test_shim.py tests/test_generate.py tests/test_tie_head.py)
 version=""; recipe=""; tests=full; out="$root/benchmarks/pin-bump"; keep=0
 matrix_env="${PIN_BUMP_MATRIX_ENV:-0.6.12}"; user_constraints=()
+command_line="bash scripts/pin_bump/pin_bump.sh $*"  # as recorded with the verdicts
 while [ $# -gt 0 ]; do
   case "$1" in
     -c|--constraint) user_constraints+=("$2"); shift 2 ;;
@@ -164,7 +167,7 @@ tests_cmd="-"
 if [ -z "$env_error" ]; then
   for impl in upstream vendored; do
     start=$(now); log "checklist, $impl"
-    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED "$pyenv" -m compass_compat.checklist --json \
+    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED -u COMPASS_COMPAT_IMPLEMENTATION "$pyenv" -m compass_compat.checklist --json \
         --implementation "$impl") >"$work/checklist-$impl.json" 2>"$work/checklist-$impl.log"
     echo "$?" > "$work/checklist-$impl.rc"
     seconds[checklist_$impl]=$(( $(now) - start ))
@@ -173,7 +176,7 @@ if [ -z "$env_error" ]; then
 
   if [ "$tests" != none ]; then
     if [ "$tests" = sweep ]; then targets=("${SWEEP_TESTS[@]}"); else targets=(tests); fi
-    args=("${targets[@]}" -q -p no:cacheprovider --deselect tests/test_checklist.py::test_verdicts_match_checklist_md)
+    args=("${targets[@]}" -q -p no:cacheprovider --deselect tests/test_checklist.py::test_verdicts_match_the_record)
     # As the matrix: the switch only where upstream ships cohere_compass (elsewhere ours is live anyway).
     tests_cmd="COMPASS_COMPAT_FORCE_VENDORED=$upstream_ships python -m pytest ${args[*]}"
     start=$(now); log "tests ($tests): $tests_cmd"
@@ -224,6 +227,7 @@ constraints_json="$(printf '%s\n' "${user_constraints[@]}" | "$py" -c 'import js
 MLX_VLM="$version" REQUESTED="$requested" REPO="$root" COMMIT="$commit" RESOLUTION="$resolution" \
   REQS="$reqs pytest hypothesis" ENV_ERROR="$env_error" TESTS="$tests" TESTS_CMD="$tests_cmd" \
   MATRIX_ENV="$matrix_env ($matrix_py)" SECS="$secs_json" CONSTRAINTS="$constraints_json" PYENV="$pyenv" \
+  COMMAND_LINE="$command_line" \
   "$py" - "$work/meta.json" <<'EOF'
 import json, os, subprocess, sys, datetime
 e = os.environ
@@ -235,6 +239,7 @@ except OSError:
 meta = {
     "mlx_vlm": e["MLX_VLM"], "requested": e["REQUESTED"], "repo": e["REPO"], "commit": e["COMMIT"],
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "command": e["COMMAND_LINE"],
     "resolution": e["RESOLUTION"], "requirements": e["REQS"], "env_error": e["ENV_ERROR"] or None,
     "tests": e["TESTS"], "tests_command": e["TESTS_CMD"], "matrix_env": e["MATRIX_ENV"],
     "seconds": json.loads(e["SECS"]), "constraints": json.loads(e["CONSTRAINTS"]), "python": python,
@@ -243,6 +248,10 @@ open(sys.argv[1], "w").write(json.dumps(meta, indent=2) + "\n")
 EOF
 code="$("$py" "$helper" report "$work" "$out/$version")"
 cat "$out/$version.md"
+# The verdicts go into the record apply_patch reads (compass_compat/verdicts.json: review the diff).
+if [ -z "$env_error" ] && [ $upstream_ships = 1 ]; then
+  (cd "$root" && "$pyenv" -m scripts.pin_bump.record "$work") || log "the verdicts were not recorded"
+fi
 if [ $keep = 1 ]; then log "environment kept: $env"; else rm -rf "$env"; fi
 log "report: $out/$version.md (exit $code)"
 exit "${code:-2}"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
+import os
+from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 import pytest
 
@@ -21,6 +25,31 @@ def upstream_ships() -> bool:
     return any(str(f).replace("\\", "/") == "mlx_vlm/models/cohere_compass/__init__.py" for f in files)
 
 
+RECORD = Path(__file__).resolve().parents[2] / "compass_compat" / "verdicts.json"
+
+
+def switch_from_env(env: Optional[dict] = None) -> str:
+    """COMPASS_COMPAT_IMPLEMENTATION as set (FORCE_VENDORED=1 its alias), else auto."""
+    env = os.environ if env is None else env
+    value = env.get("COMPASS_COMPAT_IMPLEMENTATION", "").strip().lower()
+    forced = env.get("COMPASS_COMPAT_FORCE_VENDORED", "").strip().lower() in {"1", "true", "yes", "on"}
+    return value or ("vendored" if forced else "auto")
+
+
+def expected_live(switch: Optional[str] = None) -> str:
+    """Which cohere_compass the documented rule makes live on this pin for ``switch`` (default:
+    the environment's): upstream's where mlx-vlm ships one and the switch says upstream, or says
+    auto and the record (compass_compat/verdicts.json, read as data) has every item PASS."""
+    switch = switch_from_env() if switch is None else switch
+    if not upstream_ships():
+        return "vendored"
+    if switch != "auto":
+        return switch
+    release = json.loads(RECORD.read_text(encoding="utf-8"))["releases"].get(importlib.metadata.version("mlx-vlm"))
+    passes = release is not None and all(v == "PASS" for v in release["upstream"].values())
+    return "upstream" if passes else "vendored"
+
+
 def is_vendored_file(path: str) -> bool:
     return "/vendor/mlx_vlm/" in path or "/_vendor/mlx_vlm/" in path
 
@@ -28,17 +57,17 @@ def is_vendored_file(path: str) -> bool:
 def vendored(submodule: str = "") -> ModuleType:
     """The live vendored module ``mlx_vlm.models.cohere_compass[.submodule]``.
 
-    On pins whose mlx-vlm ships its own cohere_compass (>= 0.6.13) upstream wins
-    unless COMPASS_COMPAT_FORCE_VENDORED=1; the matrix runs such pins a second
-    time with the switch, so model tests skip (saying so) only in the default pass.
+    On pins whose mlx-vlm ships its own cohere_compass (>= 0.6.13), upstream's is live where
+    the recorded verdicts let it, or with COMPASS_COMPAT_IMPLEMENTATION=upstream (the matrix's
+    0.7.10 row that keeps upstream's verdicts measured); model tests skip there, saying so.
     """
     import compass_compat  # noqa: F401  (applies the patch)
 
     package = importlib.import_module(PACKAGE)
     if not is_vendored_file(package.__file__ or ""):
         pytest.skip(
-            "upstream mlx-vlm's cohere_compass is live on this pin; the vendored model "
-            "is tested in the COMPASS_COMPAT_FORCE_VENDORED=1 pass of the matrix",
+            "upstream mlx-vlm's cohere_compass is live in this run; the vendored model "
+            "is tested in the pin's default run of the matrix",
             allow_module_level=True,
         )
     return importlib.import_module(PACKAGE + ("." + submodule if submodule else ""))

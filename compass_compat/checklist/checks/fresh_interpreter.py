@@ -20,12 +20,12 @@ SUBPROCESS_TIMEOUT = 600
 
 def _run_probe(script: str, args: Sequence[str] = (), vendored: bool = False, force: bool = False) -> Dict[str, Any]:
     """Run ``probes/<script>`` in a fresh interpreter (cwd /, so the repo is not on sys.path) and
-    parse its JSON; ``vendored`` has the probe apply the shim, ``force`` sets the force switch too."""
+    parse its JSON; ``vendored`` has the probe apply the shim, ``force`` sets the switch to vendored too."""
     # No COMPASS_COMPAT_* switch leaks in (e.g. COMPASS_COMPAT_AUTOPATCH=1 would import the
     # shim at interpreter start and spoil the pristine upstream probes).
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPASS_COMPAT_")}
     if force:
-        env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
+        env["COMPASS_COMPAT_IMPLEMENTATION"] = "vendored"
     proc = subprocess.run(
         [sys.executable, str(PROBES / script), *(["--vendored"] if vendored else []), *args],
         capture_output=True,

@@ -2,7 +2,7 @@
 
 Run as ``python probe_model_config.py [--vendored]`` (never ``-m``: importing the package would
 import compass_compat and spoil the pristine upstream view). ``--vendored`` applies the shim
-first, forced. Prints one line ``CHECKLIST-JSON {...}``.
+first, vendored. Prints one line ``CHECKLIST-JSON {...}``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def probe(vendored: bool) -> Dict[str, Any]:
     if vendored:
         import compass_compat
 
-        compass_compat.apply_patch(force_vendored=True)
+        compass_compat.apply_patch("vendored")
     import mlx_vlm.prompt_utils as prompt_utils
 
     value = prompt_utils.MODEL_CONFIG.get("cohere_compass")

@@ -2,7 +2,7 @@
 
 Run as ``python probe_processor.py [--vendored] FOLDER IMAGE PROMPT`` (never ``-m``: importing the
 package would import compass_compat before torch is hidden, and in upstream mode at all).
-``--vendored`` applies the shim first, forced. Prints one line ``CHECKLIST-JSON {...}``.
+``--vendored`` applies the shim first, vendored. Prints one line ``CHECKLIST-JSON {...}``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: List[str]) -> Dict[str, Any]:
     if argv and argv[0] == "--vendored":
         import compass_compat
 
-        compass_compat.apply_patch(force_vendored=True)
+        compass_compat.apply_patch("vendored")
         argv = argv[1:]
     folder, image, prompt = argv
     return probe(folder, image, prompt)

@@ -10,8 +10,8 @@ calls :func:`main`. For every phase the run:
    `python -m compass_compat generate --temperature 0` process each (fresh processes: nothing
    carries over between requests);
 3. starts the host's server on 127.0.0.1 with the documented opt-in
-   (COMPASS_COMPAT_AUTOPATCH=1, plus COMPASS_COMPAT_FORCE_VENDORED=1 where the installed
-   mlx-vlm ships its own cohere_compass) and the probe (scripts/hosts/common/probe) on its
+   (COMPASS_COMPAT_AUTOPATCH=1, no other flag: where the installed mlx-vlm ships its own
+   cohere_compass the recorded verdicts make the vendored one live) and the probe (scripts/hosts/common/probe) on its
    PYTHONPATH, sends the phase's requests (greedy, fixed max_tokens; sequential ones in order,
    then the concurrent group at once), and always stops the server;
 4. reads the probe's report from inside the host's processes: the vendored package must be
@@ -258,7 +258,9 @@ def prepare_model_dir(out: Path) -> Path:
 
 
 def source_env(source: Optional[Path], extra: Dict[str, str]) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (AUTOPATCH, "COMPASS_HOST_PROBE_DIR")}
+    # No switch leaks in from the caller: the host runs as a user starts it, with the opt-in only.
+    drop = (AUTOPATCH, "COMPASS_HOST_PROBE_DIR", FORCE, "COMPASS_COMPAT_IMPLEMENTATION")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(extra)
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(source), *filter(None, [env.get("PYTHONPATH")])])
@@ -686,8 +688,8 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     vers = versions(host.distributions)
-    force = upstream_ships_package()
-    env = source_env(source, {FORCE: "1"} if force else {})
+    upstream = upstream_ships_package()
+    env = source_env(source, {})
     vendor_dir = vendor_root().resolve()
     log(host.name, "versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
     revision = git_revision(Path(compass_compat.__file__).resolve().parent.parent)
@@ -695,7 +697,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         host.name,
         f"compass_compat from {Path(compass_compat.__file__).parent} ({revision}); vendored tree {vendor_dir}",
     )
-    log(host.name, f"mlx-vlm ships cohere_compass: {force} -> {FORCE}={'1' if force else 'unset'}")
+    log(host.name, f"mlx-vlm ships cohere_compass: {upstream} (no flag set: the recorded verdicts decide)")
     phases = [p for p in host.phases() if not args.phase or p.name in args.phase]
     model_dir = prepare_model_dir(out)
     log(host.name, f"checkpoint {model_dir}")
@@ -736,7 +738,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     record = {
         "host": host.label,
         "versions": vers,
-        "forced": force,
+        "upstream_ships": upstream,
         "compass_compat": str(Path(compass_compat.__file__).parent),
         "revision": revision,
         "max_tokens": args.max_tokens,

@@ -7,7 +7,7 @@ its prefill was cut x the prefix cache has been seen (the full cross product) an
 Usage (in a pin's environment, from the repository root):
     .venvs/mlxvlm-0.6.12/bin/python -m scripts.hosts.common.mixed_soak [--requests 300] [--minutes 40]
         [--seed 0] [--out build/hosts/mixed_soak-<pin>.md]
-With COMPASS_COMPAT_FORCE_VENDORED=1 on a pin that ships upstream's cohere_compass. Exit 1 if any
+The vendored package is live on every pin (0.7.10: by the recorded verdicts). Exit 1 if any
 request answered otherwise than alone (or with an error), or a combination was never seen.
 The cut of each batch is what the server's model saw (the hosts' probe trace), not what was
 planned; the per-case check in CI is tests/test_mixed_batches.py.

@@ -12,7 +12,7 @@ mkdir -p "$out"
 rc=0
 for pin in 0.6.12 0.7.10; do
   bash scripts/env/build.sh "$pin" >"$out/env-$pin.log" 2>&1 || { echo "[mixed_soak-e2e] $pin: environment failed" | tee -a "$out/e2e.log"; rc=1; continue; }
-  COMPASS_COMPAT_FORCE_VENDORED=1 ".venvs/mlxvlm-$pin/bin/python" -m scripts.hosts.common.mixed_soak \
+  ".venvs/mlxvlm-$pin/bin/python" -m scripts.hosts.common.mixed_soak \
     --requests 300 --minutes 40 --out "$out/$pin.md" >"$out/soak-$pin.log" 2>&1
   pin_rc=$?
   echo "[mixed_soak-e2e] $pin: exit $pin_rc; $(sed -n 3p "$out/$pin.md") (requests equal as alone unless listed there)" | tee -a "$out/e2e.log"

@@ -7,8 +7,8 @@ Run it with the environment's interpreter (scripts/hosts/rapid_mlx/env.sh builds
 
     .venvs/rapid_mlx-0.16.10/bin/python scripts/hosts/rapid_mlx/e2e.py [--phase default|lane] [--source DIR]
 
-mlx-vlm 0.7.2 ships its own cohere_compass, so the server runs with
-COMPASS_COMPAT_FORCE_VENDORED=1 as well as COMPASS_COMPAT_AUTOPATCH=1. `--mllm` makes Rapid-MLX
+mlx-vlm 0.7.2 ships its own cohere_compass; the server runs with COMPASS_COMPAT_AUTOPATCH=1 alone,
+and the recorded verdicts make the vendored package live there (upstream's fails the checklist). `--mllm` makes Rapid-MLX
 load the folder as a vision model (its auto-detection goes by model name). Two server starts:
 
 - `default`: Rapid-MLX's defaults (continuous batching of up to 256 sequences);

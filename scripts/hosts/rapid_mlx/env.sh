@@ -4,7 +4,7 @@
 # mlx-lm 0.31.3, transformers 5.15.1, and a CUDA torch + torchvision that run on CPU here), plus
 # `mlx[cpu]` in the range Rapid-MLX requires (Linux needs the CPU backend package), and
 # compass-compat installed editable (--no-deps) on top. mlx-vlm 0.7.2 ships its own
-# cohere_compass, so the run forces the vendored one (COMPASS_COMPAT_FORCE_VENDORED=1).
+# cohere_compass; the recorded verdicts make the vendored one live there (no flag).
 # Multi-GB (torch); build it niced, one environment at a time.
 #
 # Usage: scripts/hosts/rapid_mlx/env.sh   (PYTHON=python3.x to choose the interpreter)

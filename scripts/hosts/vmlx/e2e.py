@@ -6,8 +6,8 @@ Run it with the environment's interpreter (scripts/hosts/vmlx/env.sh builds it):
 
     .venvs/vmlx-1.6.81/bin/python scripts/hosts/vmlx/e2e.py [--source DIR]
 
-mlx-vlm 0.7.10 ships its own cohere_compass, so the server runs with
-COMPASS_COMPAT_FORCE_VENDORED=1 as well as COMPASS_COMPAT_AUTOPATCH=1. It also runs with
+mlx-vlm 0.7.10 ships its own cohere_compass; the server runs with COMPASS_COMPAT_AUTOPATCH=1 alone,
+and the recorded verdicts make the vendored package live there (upstream's fails the checklist). It also runs with
 VMLX_GPU_KEEPALIVE=0: vMLX starts a "GPU keepalive" thread on its first request that makes an
 `mx.gpu` stream, which a CPU-only mlx does not have (a host defect; the variable is vMLX's own
 switch, docs/hosts.md). The request set is the standard one (scripts/hosts/common/e2e.py); every

@@ -7,7 +7,7 @@
 #                    the pin (docs/hosts.md)
 #   mlx[cpu]         Linux needs the CPU backend package; vMLX only asks for `mlx`
 # and compass-compat installed editable (--no-deps) on top. mlx-vlm 0.7.10 ships its own
-# cohere_compass, so the run forces the vendored one (COMPASS_COMPAT_FORCE_VENDORED=1).
+# cohere_compass; the recorded verdicts make the vendored one live there (no flag).
 # Multi-GB (torch); build it niced, one environment at a time.
 #
 # Usage: scripts/hosts/vmlx/env.sh   (PYTHON=python3.x to choose the interpreter)

@@ -1,0 +1,179 @@
+"""The checklist's recorded verdicts (``verdicts.json``, shipped in the package): which checklist
+items each mlx-vlm release's own ``cohere_compass`` passes, as the pin-bump job measured them.
+
+:func:`apply_patch` reads them to decide which ``cohere_compass`` is live: upstream's only on a
+release whose recorded upstream verdict passes every item. CHECKLIST.md's table and
+tests/test_checklist.py read the same file; ``scripts/pin_bump/pin_bump.sh`` writes it
+(:func:`record`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import CompassCompatError
+
+FILE = Path(__file__).resolve().parent / "verdicts.json"
+IMPLEMENTATIONS = ("upstream", "vendored")
+VERDICTS = ("PASS", "FAIL")
+RECORD_COMMAND = "bash scripts/pin_bump/pin_bump.sh {release}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the record says of one release's own ``cohere_compass``.
+
+    Attributes:
+        release: the mlx-vlm version looked up.
+        recorded: whether the record has a verdict for it.
+        failing: the items upstream's package fails there, as (number, claim).
+        measured: how the verdict was measured (command, date, commit), or "".
+    """
+
+    release: str
+    recorded: bool
+    failing: Tuple[Tuple[int, str], ...] = ()
+    measured: str = ""
+
+    @property
+    def passes_every_item(self) -> bool:
+        return self.recorded and not self.failing
+
+    def describe(self) -> str:
+        """One sentence: what the record says, or how to record a verdict."""
+        if not self.recorded:
+            return (
+                f"no verdict recorded for mlx-vlm {self.release}: run "
+                f"`{RECORD_COMMAND.format(release=self.release)}` to record one"
+            )
+        if not self.failing:
+            return f"mlx-vlm {self.release}'s own cohere_compass passes every checklist item ({self.measured})"
+        items = ", ".join(f"{n} ({claim})" for n, claim in self.failing)
+        return f"mlx-vlm {self.release}'s own cohere_compass fails checklist item(s) {items} ({self.measured})"
+
+
+def _fail(path: Path, message: str) -> CompassCompatError:
+    return CompassCompatError(
+        f"{path}: {message}; reinstall compass-compat (the file ships with it), or rewrite it with "
+        "scripts/pin_bump/pin_bump.sh"
+    )
+
+
+def load(path: Optional[Path] = None) -> Dict[str, Any]:
+    """The record (``path``, default :data:`FILE`), checked: ``{"items": {n: name}, "releases": {release: entry}}``."""
+    path = FILE if path is None else path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _fail(path, "missing") from None
+    except (OSError, ValueError) as err:
+        raise _fail(path, f"unreadable ({err})") from None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("items"), dict)
+        or not isinstance(data.get("releases"), dict)
+    ):
+        raise _fail(path, "not a record (it needs 'items' and 'releases' objects)")
+    items = data["items"]
+    for release, entry in data["releases"].items():
+        if not isinstance(entry, dict):
+            raise _fail(path, f"release {release!r} is not an object")
+        for kind in IMPLEMENTATIONS:
+            verdicts = entry.get(kind)
+            if not isinstance(verdicts, dict) or set(verdicts) != set(items):
+                raise _fail(path, f"release {release!r} needs {kind} verdicts for items {', '.join(items)}")
+            if any(v not in VERDICTS for v in verdicts.values()):
+                raise _fail(path, f"release {release!r}: {kind} verdicts must be PASS or FAIL")
+    return data
+
+
+def upstream_verdict(release: str, path: Optional[Path] = None) -> Verdict:
+    """The recorded verdict on mlx-vlm ``release``'s own ``cohere_compass``."""
+    data = load(path)
+    entry = data["releases"].get(release)
+    if entry is None:
+        return Verdict(release, recorded=False)
+    failing = tuple(
+        (int(n), data["items"][n])
+        for n, v in sorted(entry["upstream"].items(), key=lambda kv: int(kv[0]))
+        if v == "FAIL"
+    )
+    measured = f"`{entry.get('command', '?')}` on {entry.get('date', '?')}"
+    return Verdict(release, recorded=True, failing=failing, measured=measured)
+
+
+def record(
+    release: str,
+    reports: Dict[str, Dict[str, Any]],
+    items: Dict[str, str],
+    command: str,
+    date: str,
+    commit: str,
+    path: Optional[Path] = None,
+) -> Dict[str, Any]:
+    """Write ``release``'s verdicts (``reports``: implementation -> the checklist's ``--json``)
+    into the record at ``path``, releases in version order; returns the entry written."""
+    from packaging.version import Version
+
+    path = FILE if path is None else path
+    data = load(path) if path.exists() else {"about": "", "items": {}, "releases": {}}
+    missing = [kind for kind in IMPLEMENTATIONS if not reports.get(kind, {}).get("verdicts")]
+    if missing:
+        raise ValueError(f"no checklist verdicts for {', '.join(missing)}: the checklist could not run")
+    entry = {kind: {n: reports[kind]["verdicts"][n] for n in items} for kind in IMPLEMENTATIONS}
+    entry.update(command=command, date=date, commit=commit)
+    data["items"] = items
+    releases = {**data["releases"], release: entry}
+    data["releases"] = {r: releases[r] for r in sorted(releases, key=Version)}
+    path.write_text(dump(data), encoding="utf-8")
+    return entry
+
+
+def dump(data: Dict[str, Any]) -> str:
+    """The record as JSON, one line per release's verdicts (a reviewable diff per release)."""
+    releases = [
+        f"  {json.dumps(release)}: {{\n"
+        + ",\n".join(f"   {json.dumps(key)}: {json.dumps(value)}" for key, value in entry.items())
+        + "\n  }"
+        for release, entry in data["releases"].items()
+    ]
+    head = {k: v for k, v in data.items() if k != "releases"}
+    body = json.dumps(head, indent=1)[:-2]
+    return body + ',\n "releases": {\n' + ",\n".join(releases) + "\n }\n}\n"
+
+
+def table(path: Optional[Path] = None) -> List[str]:
+    """CHECKLIST.md's table of the record, one markdown line per release."""
+    data = load(path)
+    lines = [
+        "| mlx-vlm | upstream: passes | upstream: fails | vendored | measured |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for release, entry in data["releases"].items():
+        up = entry["upstream"]
+        passes = ", ".join(n for n in up if up[n] == "PASS") or "-"
+        fails = ", ".join(n for n in up if up[n] == "FAIL") or "-"
+        ours = entry["vendored"]
+        vendored = (
+            f"all {len(ours)} pass"
+            if all(v == "PASS" for v in ours.values())
+            else "fails " + ", ".join(n for n in ours if ours[n] == "FAIL")
+        )
+        lines.append(
+            f"| {release} | {passes} | {fails} | {vendored} | `{entry.get('command', '?')}`, {entry.get('date', '?')} |"
+        )
+    return lines
+
+
+def live_for(release: str, upstream_ships: bool, path: Optional[Path] = None) -> Tuple[str, Optional[Verdict]]:
+    """The rule: (``"upstream"`` or ``"vendored"``, the verdict behind it; None where mlx-vlm
+    ships no ``cohere_compass``, so nothing is decided). The record is read and checked either
+    way: a damaged one fails on every mlx-vlm, not only where it decides."""
+    load(path)
+    if not upstream_ships:
+        return "vendored", None
+    verdict = upstream_verdict(release, path)
+    return ("upstream" if verdict.passes_every_item else "vendored"), verdict
