@@ -260,6 +260,15 @@ def test_every_subcommand_has_help(capsys, monkeypatch, argv, words):
             "image file not found: /nonexistent/pic.png",
         ),
         (["generate", "--model", "{ckpt}", "--image", "{ckpt}/config.json", "--no-image"], "--no-image and --image"),
+        # A file that is not a picture, a folder, an empty question: one line each, before any load
+        # (were: a 34-line traceback after the header; "image file not found"; accepted silently).
+        (
+            ["generate", "--model", "{ckpt}", "--image", "{ckpt}/config.json"],
+            "config.json is not an image Pillow can read",
+        ),
+        (["generate", "--model", "{ckpt}", "--image", "{tmp}"], "is a folder, not an image file"),
+        (["generate", "--model", "{ckpt}", "--prompt", ""], "--prompt is empty"),
+        (["generate", "--model", "{ckpt}", "--prompt", "  "], "--prompt is empty"),
         (
             ["convert", "--hf-path", "/nonexistent/ckpt", "--mlx-path", "{tmp}/out"],
             "checkpoint folder not found: /nonexistent/ckpt",
@@ -283,7 +292,7 @@ def test_errors_say_what_is_missing(capsys, tmp_path, tiny_ckpt_original, argv, 
 
 
 def test_video_with_upstreams_processor_says_how_to_get_video(capsys, tiny_ckpt_original, tmp_path):
-    """Where upstream's cohere_compass is live (0.7.10 unforced) its processor takes no video:
+    """Where upstream's cohere_compass is live (COMPASS_COMPAT_IMPLEMENTATION=upstream) its processor takes no video:
     --video is refused with the switch that gives the vendored one, never sent as stills."""
     if compass_compat.implementation_info().implementation != "upstream":
         pytest.skip("the vendored package is live: tests/test_video_entry.py runs --video")
@@ -297,4 +306,37 @@ def test_video_with_upstreams_processor_says_how_to_get_video(capsys, tiny_ckpt_
         writer.write(frame[..., ::-1].copy())
     writer.release()
     code, out, err = main_in_process(capsys, "generate", "--model", str(tiny_ckpt_original), "--video", str(clip))
-    assert code == 2 and "takes no video" in err and "COMPASS_COMPAT_FORCE_VENDORED=1" in err, err
+    assert code == 2 and "takes no video" in err and "COMPASS_COMPAT_IMPLEMENTATION=vendored" in err, err
+
+
+BLOCK_MLX = """
+import sys
+class _NoBackend:  # what plain `pip install mlx` gives on Linux: libmlx.so is missing
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx.core":
+            raise OSError("libmlx.so: cannot open shared object file: No such file or directory")
+sys.meta_path.insert(0, _NoBackend())
+"""
+
+
+def test_without_a_loadable_mlx_help_and_info_run_and_the_rest_says_what_to_install(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_MLX)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO)))}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        )
+
+    helped, info, generate, imported = (
+        run("-m", "compass_compat", "--help"),
+        run("-m", "compass_compat", "info"),
+        run("-m", "compass_compat", "generate"),
+        run("-c", "import compass_compat"),
+    )
+    assert helped.returncode == 0 and "generate" in helped.stdout, helped.stderr
+    assert info.returncode == 1 and info.stdout.startswith("problem") and "compass-compat[cpu]" in info.stdout
+    assert generate.returncode == 2 and generate.stderr.count("\n") == 1, generate.stderr
+    assert "mlx cannot load here" in generate.stderr and "compass-compat[cpu]" in generate.stderr
+    # A library import is never silently unpatched: it raises, naming what to install.
+    assert imported.returncode != 0 and "CompassCompatError: mlx cannot load here" in imported.stderr

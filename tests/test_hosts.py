@@ -116,6 +116,12 @@ def runs(
             host_env(**{startup.ENV: "TRUE"}),
         ),
         "run --": ([host, "-m", "compass_compat", "run", "--", host, *gen], host_env()),
+        # The README's un-activated form: `python` names another interpreter on PATH (one without
+        # mlx-vlm); `run` must start this environment's own (it once ran PATH's: No module named 'mlx_vlm').
+        "run -- python, not activated": (
+            [host, "-m", "compass_compat", "run", "--", "python", *gen],
+            host_env(PATH=os.pathsep.join(("/usr/bin", "/bin"))),
+        ),
     }
     procs = {
         name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(cwd))
@@ -231,11 +237,11 @@ def test_opted_in_patches_when_mlx_vlm_is_imported(runs):
     assert proc.returncode == 0, describe(proc)
     state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert state["compass_compat"] and state["cohere_compass_in_MODEL_CONFIG"] and state["load_error"] is None
-    # The hook honours COMPASS_COMPAT_FORCE_VENDORED as `import compass_compat` does here.
+    # The hook honours COMPASS_COMPAT_IMPLEMENTATION as `import compass_compat` does here.
     assert state["implementation"] == compass_compat.implementation_info().implementation
 
 
-@pytest.mark.parametrize("how", ["opted in", "run --"])
+@pytest.mark.parametrize("how", ["opted in", "run --", "run -- python, not activated"])
 def test_opted_in_plain_mlx_vlm_generate_generates(runs, cli_text, how):
     proc = runs[how]
     assert proc.returncode == 0, describe(proc)

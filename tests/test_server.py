@@ -30,6 +30,7 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
+import compass_compat
 from compass_compat import server_guard
 from scripts._lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text, serving
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
@@ -207,3 +208,15 @@ def test_guard_rejects_malformed_data_uris(url, words):
 )
 def test_guard_routes(path, guarded):
     assert server_guard.guarded(path) is guarded
+
+
+def test_without_model_the_server_serves_the_default_checkpoint_and_says_which_package(tmp_path):
+    """`python -m compass_compat server` with no --model serves the default checkpoint, as
+    `generate` does (it once loaded nothing until a request named a model), and logs which
+    cohere_compass is live."""
+    with Server(None, tmp_path / "server.log") as server:
+        status, body = server.post([{"type": "text", "text": "Say hello."}], max_tokens=4)
+        log = server.tail(200)
+    assert status == 200, (body, log)
+    live = compass_compat.implementation_info().implementation  # the server inherits the switch
+    assert "serving the default checkpoint" in log and f"cohere_compass: {live} live" in log, log

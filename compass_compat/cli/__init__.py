@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .. import __version__
+from .. import UNAVAILABLE, __version__
 from . import convert, generate, info, run, server
 from .common import PROG, CliError
 
@@ -40,7 +40,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; its exit code (2 with ``<prog> <command>: error: ...`` on bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    command = argv[0] if argv else ""
     try:
+        if UNAVAILABLE is not None and command in COMMANDS and command != "info" and "--help" not in argv:
+            raise CliError(str(UNAVAILABLE))
         if argv and argv[0] in PASSTHROUGH:
             command = argv[0]
             return COMMANDS[command].main(argv[1:])

@@ -84,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
     from mlx_vlm import stream_generate
 
     model, processor = _load(model_ref, adapter)
+    if args.prompt is not None and not " ".join(args.prompt).strip():
+        raise CliError("--prompt is empty: give the question to ask, or leave --prompt out for the default")
     prompt = " ".join(args.prompt) if args.prompt else (DEFAULT_VIDEO_PROMPT if videos else DEFAULT_PROMPT)
     refused = video.processor_errors(processor)
     formatted, inputs, times = _prompt_inputs(args, model, processor, prompt, images, videos, refused)

@@ -49,16 +49,32 @@ def check_adapter(adapter: Optional[str]) -> Optional[str]:
     return str(path)
 
 
+def _local_file(path: Path, kind: str) -> None:
+    if path.is_dir():
+        raise CliError(f"{path} is a folder, not {kind} file: pass the file itself")
+    if not path.is_file():
+        raise CliError(f"{kind} file not found: {path}")
+
+
 def check_images(images: Sequence[str]) -> List[str]:
-    """The image arguments with local files checked to exist (URLs and data URIs pass as given)."""
+    """The image arguments with local files checked to exist and to be pictures Pillow reads
+    (URLs and data URIs pass as given)."""
+    from PIL import Image, UnidentifiedImageError
+
     out = []
     for image in images:
         if image.startswith(("http://", "https://", "data:")):
             out.append(image)
             continue
         path = Path(image).expanduser()
-        if not path.is_file():
-            raise CliError(f"image file not found: {path}")
+        _local_file(path, "an image")
+        try:
+            with Image.open(path) as picture:
+                picture.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            raise CliError(
+                f"{path} is not an image Pillow can read ({err}); pass a PNG, JPEG, WebP, ... file"
+            ) from None
         out.append(str(path))
     return out
 
@@ -68,7 +84,6 @@ def check_videos(videos: Sequence[str]) -> List[str]:
     out = []
     for video in videos:
         path = Path(video[len("file://") :] if video.startswith("file://") else video).expanduser()
-        if not path.is_file():
-            raise CliError(f"video file not found: {path}")
+        _local_file(path, "a video")
         out.append(str(path))
     return out

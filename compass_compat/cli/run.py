@@ -19,8 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a command with the patch applied in its Python processes",
         description=(
             f"Run COMMAND with {AUTOPATCH_ENV}=1: every Python process of this environment it "
-            f"starts applies the patch at startup ({PTH_NAME}), without code changes. Example: "
-            f"{PROG} run -- python -m mlx_vlm.generate --model PATH --image IMG --prompt TEXT"
+            f"starts applies the patch at startup ({PTH_NAME}), without code changes. COMMAND runs "
+            "with this environment's scripts first on PATH, and a bare `python` / `python3` is this "
+            f"interpreter, activated or not. Example: {PROG} run -- python -m mlx_vlm.generate "
+            "--model PATH --image IMG --prompt TEXT"
         ),
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
@@ -40,6 +42,11 @@ def main(args: argparse.Namespace) -> int:
         )
     env = dict(os.environ)
     env[AUTOPATCH_ENV] = "1"
+    # This environment, as if activated: its scripts first on PATH, `python` this interpreter.
+    scripts = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join(p for p in (scripts, env.get("PATH", "")) if p)
+    if command[0] in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        command = [sys.executable, *command[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
     try:

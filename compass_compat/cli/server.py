@@ -13,7 +13,7 @@ from typing import List
 
 from .. import implementation_info
 from ..startup import ENV as AUTOPATCH_ENV
-from .common import PROG, CliError, flag_value
+from .common import PROG, CliError, flag_value, log
 from .inputs import resolve_model
 
 
@@ -54,9 +54,17 @@ def main(argv: List[str]) -> int:
     """Run mlx-vlm's server in this process with the flags after ``server``."""
     args, rest = parser().parse_known_args(argv)
     model = flag_value(rest, "--model")
-    if model is not None and not args.help:
-        resolve_model(model)  # a bad path fails here, with a message, not inside the server
+    if not args.help:
+        # A bad path fails here, with a message, not inside the server; none given: the default
+        # checkpoint, as `generate` (mlx-vlm's server would otherwise load nothing until asked).
+        ref, is_default = resolve_model(model)
+        if is_default:
+            rest = ["--model", ref, *rest]
+            log(f"serving the default checkpoint {ref} (a toy: pass --model for a real one)")
     module = _server_module()
+    if not args.help:
+        info = implementation_info()
+        log(f"cohere_compass: {info.implementation} live ({info.reason})")
     if args.help:
         parser().print_help()
         print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)

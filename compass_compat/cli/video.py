@@ -81,7 +81,7 @@ def video_inputs(
     if video_processor is None or not hasattr(video_processor, "sample_frames"):
         raise CliError(
             f"the live cohere_compass processor ({type(processor).__module__}) takes no video; "
-            "compass-compat's does: run with COMPASS_COMPAT_FORCE_VENDORED=1"
+            "compass-compat's does: run with COMPASS_COMPAT_IMPLEMENTATION=vendored (the default where the recorded verdicts say so)"
         )
     sampling = {"fps": args.fps, "max_frames": args.max_frames}
     sampling = {k: v for k, v in sampling.items() if v is not None}

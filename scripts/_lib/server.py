@@ -52,13 +52,19 @@ class Server:
 
     def __init__(
         self,
-        model: Path,
+        model: Optional[Path],
         log: Path,
         *extra: str,
         env: Optional[Dict[str, str]] = None,
         path: Sequence[str] = (),
     ):
-        self.model, self.log_path = str(model), log
+        if model is None:  # the server's own default: the default checkpoint
+            from compass_data.toy import default_checkpoint_path
+
+            self.model = str(default_checkpoint_path())
+        else:
+            self.model = str(model)
+        self.log_path = log
         self.port = free_port()
         env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
         # The installed compass_compat may be another checkout's editable install.
@@ -71,8 +77,7 @@ class Server:
                 "compass_compat",
                 "server",
                 *extra,
-                "--model",
-                self.model,
+                *(["--model", self.model] if model is not None else []),
                 "--host",
                 "127.0.0.1",
                 "--port",

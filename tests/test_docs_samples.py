@@ -1,0 +1,137 @@
+"""What the README and docs show a newcomer equals what the commands print today.
+
+- Every output block marked ``<!-- sample: ARGS -->`` (the block right after the marker) is what
+  ``python -m compass_compat ARGS`` prints, line for line in order: ``...`` in a sample line
+  stands for any text, speeds (``tokens-per-sec``, ``GB``) for any figure, and ``[compass-compat]``
+  progress lines are left out (they depend on what is already built). The home folder prints as
+  ``~``.
+- The default checkpoint's answer table (prompt | answer) is what ``generate --no-verbose`` prints.
+- The environment table names the versions the committed constraints files pin.
+- The README names the items upstream's package fails on 0.7.10 as the record does.
+
+The samples were printed on mlx-vlm 0.6.12 (the README's set-up pin): they run there and skip,
+saying so, elsewhere; the tables are checked on every pin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import mlx_vlm
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "CHECKLIST.md"]
+SAMPLE_PIN = "0.6.12"
+on_sample_pin = pytest.mark.skipif(
+    str(mlx_vlm.__version__) != SAMPLE_PIN,
+    reason=f"the samples show what mlx-vlm {SAMPLE_PIN} prints (the README's set-up); this is {mlx_vlm.__version__}",
+)
+
+
+def _samples() -> Iterator[Tuple[str, str, List[str]]]:
+    """(document, ARGS, the block's lines) of every marked sample."""
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for match in re.finditer(r"<!-- sample: (.+?) -->\s*\n```[a-z]*\n(.*?)```", text, re.S):
+            yield doc.name, match.group(1), match.group(2).splitlines()
+
+
+SAMPLES = list(_samples())
+
+
+def _run(args: List[str]) -> List[str]:
+    from compass_compat import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(args)
+    assert code == 0, f"python -m compass_compat {shlex.join(args)} exited {code}"
+    text = out.getvalue().replace(str(Path.home()), "~")
+    return text.splitlines()
+
+
+def _pattern(line: str) -> "re.Pattern[str]":
+    parts = [re.escape(part) for part in line.split("...")]
+    pattern = ".*".join(parts)
+    pattern = re.sub(r"\d+\\\.\d+(\\ (?:tokens\\-per\\-sec|GB))", r"[\\d.]+\1", pattern)
+    return re.compile(pattern + r"\Z")
+
+
+def test_the_docs_mark_their_samples():
+    assert {doc for doc, _, _ in SAMPLES} >= {"README.md"} and len(SAMPLES) >= 2, SAMPLES
+
+
+@on_sample_pin
+@pytest.mark.parametrize("doc,args,lines", SAMPLES, ids=[f"{d}:{a}" for d, a, _ in SAMPLES])
+def test_a_sample_is_what_the_command_prints(doc, args, lines, monkeypatch):
+    monkeypatch.chdir(REPO)  # the README's commands run from the checkout
+    printed = _run(shlex.split(args))
+    wanted = [line for line in lines if line.strip() and not line.startswith("[compass-compat]") and line != "..."]
+    at = 0
+    for line in wanted:
+        pattern = _pattern(line)
+        while at < len(printed) and not pattern.match(printed[at]):
+            at += 1
+        assert at < len(printed), f"{doc}: `{line}` is not printed (in order) by {args}:\n" + "\n".join(printed)
+        at += 1
+
+
+def _table(doc: Path, header: str) -> List[List[str]]:
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+@on_sample_pin
+def test_the_default_checkpoints_answer_table_is_what_it_answers(monkeypatch):
+    monkeypatch.chdir(REPO)
+    rows = _table(REPO / "README.md", "| prompt | demo picture: the toy's answer |")
+    assert len(rows) == 4
+    for prompt, answer in rows:
+        printed = _run(["generate", "--prompt", prompt.strip("`"), "--no-verbose"])
+        assert printed == [answer.split(" (")[0].strip("`")], (prompt, printed)
+
+
+def test_the_environment_table_names_the_recorded_versions():
+    rows = _table(REPO / "README.md", "| env | mlx | mlx-vlm | mlx-lm | transformers | torch |")
+    assert len(rows) >= 6
+    for env, mlx, vlm, lm, tf, torch, _why in rows:
+        frozen = (REPO / "scripts" / "env" / "constraints" / f"mlxvlm-{env.strip('`')}.txt").read_text()
+        pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", frozen, re.M))
+        got = {"mlx": mlx, "mlx-vlm": vlm, "mlx-lm": lm, "transformers": tf}
+        assert got == {k: pins[k] for k in got}, env
+        assert torch == "-" or torch.split()[0] == pins["torch"], env
+
+
+def test_the_readme_names_upstreams_failing_items_as_recorded():
+    record = json.loads((REPO / "compass_compat" / "verdicts.json").read_text(encoding="utf-8"))
+    failing = [n for n, v in record["releases"]["0.7.10"]["upstream"].items() if v == "FAIL"]
+    said = re.search(r"on mlx-vlm\s+0\.7\.10 upstream's fails items ([\d, and]+?) \(", (REPO / "README.md").read_text())
+    assert said, "README.md no longer names 0.7.10's failing items"
+    assert re.findall(r"\d+", said.group(1)) == failing
+
+
+def test_every_script_the_docs_name_exists():
+    """A command a newcomer copies names a file that is there (the constraints files once named
+    make_envs.sh, which had become scripts/env/build.sh)."""
+    texts = [p for p in DOCS] + sorted((REPO / "scripts" / "env" / "constraints").glob("*.txt"))
+    missing = set()
+    for path in texts:
+        for name in re.findall(
+            r"(?<![\w/.-])((?:scripts|tests|compass_compat|compass_data)/[\w/.-]+\.(?:py|sh|json|md))", path.read_text()
+        ):
+            if not (REPO / name).exists():
+                missing.add(f"{path.relative_to(REPO)}: {name}")
+    assert not missing, sorted(missing)
