@@ -18,8 +18,8 @@ import pytest
 
 from tests.lib.contract import (
     DECODES,
+    KEPT,
     STEPS,
-    STORED_DELTA,
     SUFFIX_MODES,
     TOL,
     Case,
@@ -125,7 +125,7 @@ def test_two_requests_decoded_in_turn_keep_their_own_delta(model, cases, style):
 
 
 def test_the_kept_delta_is_where_the_drivers_look(model):
-    assert vendored("language").STORED_DELTA == STORED_DELTA
+    assert vendored("positions").KEPT == KEPT
 
 
 def test_vmlx_marker_is_declared(model):
@@ -316,13 +316,16 @@ def test_requests_merged_into_one_batch_cache_keep_their_own_delta(model, cases)
     item_merged(model, [cases["text_long"], cases["img_448"], cases["img_two"], cases["text_short"]])
 
 
+@pytest.mark.parametrize("given", ["text zeros", "nothing"])
 @pytest.mark.parametrize("name", TEXT)
-def test_text_suffix_on_a_cache_trimmed_back_from_a_picture_request(model, cases, name):
+def test_text_suffix_on_a_cache_trimmed_back_from_a_picture_request(model, cases, name, given):
     """LM Studio's prompt cache: a cache that served a picture request is trimmed back to the
     tokens a text prompt shares with it, and the text prompt's suffix is embedded alone, its
-    zero deltas passed on. The picture's delta, still kept with the cache's first layer, holds
-    only past the picture: here the text's own zeros do. (The tiny sliding window cannot be
-    trimmed, so the trimmed cache is the shared tokens plus what the served cache kept.)"""
+    zero deltas passed on ("text zeros"), or fed with nothing but the cache ("nothing"). The
+    picture's delta, still kept with the cache's first layer, holds only past the picture: here
+    the text's own positions do, either way (positions.py's table). Before the room, "nothing"
+    took the kept delta anyway. (The tiny sliding window cannot be trimmed, so the trimmed cache
+    is the shared tokens plus what the served cache kept.)"""
     picture, text = cases["img_448"], cases[name]
     served = make_cache(model)
     prefill_whole(model, picture, served)
@@ -330,10 +333,13 @@ def test_text_suffix_on_a_cache_trimmed_back_from_a_picture_request(model, cases
     assert np.array(picture.ids[0, :split]).tolist() == np.array(text.ids[0, :split]).tolist()
     cache = make_cache(model)
     mx.eval(model(text.ids[:, :split], cache=cache).logits)
-    for attr in (STORED_DELTA, vendored("language").DELTA_SINCE):
-        setattr(cache[0], attr, getattr(served[0], attr))
+    mine, theirs = getattr(cache[0], KEPT), getattr(served[0], KEPT)
+    mine.delta, mine.since = theirs.delta, theirs.since  # the served cache's delta and where it holds
+    mine.reached = cache[0].max_size  # set back: it held more than it holds now (never past its window)
     suffix = text.ids[:, split:]
     emb = model.get_input_embeddings(suffix, None)
     kwargs = {k: v for k, v in emb.to_dict().items() if v is not None and k != "inputs_embeds"}
+    if given == "nothing":
+        kwargs = {}
     first = last(model.language_model(suffix, inputs_embeds=emb.inputs_embeds, cache=cache, **kwargs))
-    check(text, run_decode(model, cache, text, first, decode_plain), "text suffix on a trimmed picture cache")
+    check(text, run_decode(model, cache, text, first, decode_plain), f"text suffix on a trimmed picture cache, {given}")

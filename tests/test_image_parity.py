@@ -15,7 +15,7 @@ from scripts._lib.parity import (
 from tests.lib.vendored import vendored
 
 compass = vendored("cohere_compass")
-language = vendored("language")
+positions = vendored("positions")
 
 IMAGE_CASES = ["img_448", "img_640x480", "img_501x379", "img_two", "img_middle"]
 TOL = 1e-4
@@ -31,7 +31,7 @@ def model(tiny_ckpt_original):
 @pytest.mark.parametrize("name", IMAGE_CASES)
 def test_position_ids_and_rope_delta_match_reference(model, reference, name):
     case = reference(name)
-    pos, deltas = language.get_rope_index(
+    pos, deltas = positions.get_rope_index(
         case["input_ids"],
         case["image_grid_thw"],
         model.config.image_token_id,

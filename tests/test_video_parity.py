@@ -13,7 +13,7 @@ from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matche
 from scripts._lib.recorded import VIDEO_INDEX, video_case
 from tests.lib.vendored import vendored
 
-language = vendored("language")
+positions = vendored("positions")
 
 TINY_CASES = list(VIDEO_INDEX["checkpoints"]["tiny"])
 TOY_CASES = list(VIDEO_INDEX["checkpoints"]["toy"])
@@ -47,7 +47,7 @@ def test_fixtures_cover_the_rules():
 @pytest.mark.parametrize("name", TINY_CASES)
 def test_position_ids_and_rope_delta_match_reference(model, name):
     case = video_case("tiny", name)
-    pos, deltas = language.get_rope_index(
+    pos, deltas = positions.get_rope_index(
         case["input_ids"],
         case.get("image_grid_thw"),
         model.config.image_token_id,
@@ -163,7 +163,7 @@ def test_rope_index_refuses_a_grid_without_its_video_tokens(model):
     case = video_case("tiny", "video_4f")
     grid = np.concatenate([case["video_grid_thw"], case["video_grid_thw"]])
     with pytest.raises(ValueError, match="video_grid_thw describes 4 temporal patch"):
-        language.get_rope_index(
+        positions.get_rope_index(
             case["input_ids"],
             None,
             model.config.image_token_id,

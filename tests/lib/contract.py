@@ -18,7 +18,7 @@ TOL = 1e-4
 STEPS = 10  # decode steps: the tiny model's sliding window (8) wraps
 CHUNK = 5
 # The attribute our language model keeps a request's delta under, on its first-layer cache.
-STORED_DELTA = "compass_rope_deltas"
+KEPT = "compass_positions"  # positions.KEPT: a request's position state on its first cache layer
 
 
 @dataclass
@@ -225,7 +225,7 @@ def control_case(model, name: str) -> Case:
 
 def forget_kept_delta(cache: List[Any]) -> None:
     """As a cache rebuilt from its state: no delta kept with it."""
-    vars(cache[0]).pop(STORED_DELTA, None)
+    vars(cache[0]).pop(KEPT, None)
 
 
 # --------------------------------------------------------------------------------- the items

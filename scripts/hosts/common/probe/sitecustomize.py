@@ -152,7 +152,7 @@ def _trace_language_model(package):
 
     lm_cls = package.LanguageModel
     call = lm_cls.__call__
-    stored = getattr(sys.modules.get(package.__name__ + ".language"), "STORED_DELTA", "compass_rope_deltas")
+    stored = getattr(sys.modules.get(package.__name__ + ".positions"), "KEPT", "compass_positions")
     path = os.path.join(_DIR, f"probe-{os.getpid()}-lm.jsonl")
 
     def rows(value):
@@ -176,7 +176,7 @@ def _trace_language_model(package):
             "position_ids_shape": list(given.shape) if given is not None else None,
             # the temporal axis's last column per row: a decode step's positions
             "position_ids_last": rows(given[0, :, -1]) if given is not None and given.ndim == 3 else None,
-            "stored_delta_on_cache": rows(getattr(first, stored, None)) if first is not None else None,
+            "stored_delta_on_cache": rows(getattr(getattr(first, stored, None), "delta", None)),
             "module_rope_deltas": rows(self._rope_deltas),
             "position_rows": rows(kwargs.get("position_rows")),
             # a decode step's input ids, one per row (the tokens each row was fed)
@@ -192,7 +192,7 @@ def _trace_language_model(package):
             line["error"] = f"{type(err).__name__}: {err}"
             raise
         finally:
-            line["stored_delta_after"] = rows(getattr(first, stored, None)) if first is not None else None
+            line["stored_delta_after"] = rows(getattr(getattr(first, stored, None), "delta", None))
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         return out

@@ -14,7 +14,8 @@ import numpy as np
 
 from .config import ModelConfig, grid_sequence, weight_key
 from .image_processing_cohere_compass import GRID_MEMO
-from .language import IMAGE, VIDEO, LanguageModel, get_rope_index, padding_rows
+from .language import LanguageModel
+from .positions import IMAGE, VIDEO, get_rope_index, padding_rows
 from .vision import VisionModel
 
 # Keys of the dict that encode_image returned before it returned one array; still accepted.
@@ -343,8 +344,10 @@ class Model(nn.Module):
         # BatchGenerator) concatenate each key over the rows that have it, so a key only some
         # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
         rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
-        self.language_model.remember_deltas(rope_deltas, np.asarray(deltas).reshape(-1).tolist())
-        self.language_model.remember_prefix(position_ids, prefix)
+        values = set(np.asarray(deltas).reshape(-1).tolist())
+        # What the language model recognises when a host passes them back (positions.Issued).
+        self.language_model.issued.mark(rope_deltas, value=values.pop() if len(values) == 1 else None)
+        self.language_model.issued.mark(position_ids, prefix=prefix)
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
         self.language_model._rope_deltas = rope_deltas
@@ -378,7 +381,7 @@ class Model(nn.Module):
         rope_deltas = given_deltas
         if rope_deltas is None:
             rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
-            self.language_model.remember_deltas(rope_deltas, [0] * B, text=True)
+            self.language_model.issued.mark(rope_deltas, value=0, text=True)
         return CompassEmbeddings.of(
             embeds, mask, rope_deltas=rope_deltas, deepstack_visual_embeds=deepstack, visual_pos_masks=visual
         )
