@@ -79,8 +79,9 @@ run_one() {
   rm -f "$xml"
   start=$(date +%s)
   # shellcheck disable=SC2086
+  # --durations: each run's log ends with its 20 slowest tests (where CI's time goes).
   (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED COMPASS_COMPAT_IMPLEMENTATION="$switch" "$py" -m pytest tests -q \
-      --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
+      --durations=20 --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - start ))
   if [ -f "$xml" ]; then
