@@ -1,11 +1,11 @@
 """The caller contract (docs/model-contract.md), item by item, against the one-shot reference.
 
-Each driver (tests/lib/contract.py) calls the model the way one kind of caller does (mlx-vlm's
+Each driver (scripts/_lib/contract.py) calls the model the way one kind of caller does (mlx-vlm's
 generate, batch and server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the
 logits of the prompt's last token and of each teacher-forced decode step. Ours is compared with
 the recorded transformers fixtures (prefill and step logits within 1e-4, greedy ids exact),
-never with another run of our code. The control, mlx-vlm's own ``qwen3_vl``, runs the same
-drivers in tests/test_control_contract.py.
+never with another run of our code. The control, mlx-vlm's own ``qwen3_vl``, is driven the same
+way by the pin-bump survey (scripts/pin_bump/control_survey.py): it monitors mlx-vlm.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.lib.contract import (
+from scripts._lib.contract import (
     DECODES,
     KEPT,
     STEPS,

@@ -240,7 +240,7 @@ def xfail_where_measured(request, table: Dict[str, Tuple[str, ...]], name: str) 
 # The control's failures per pin, measured (tests with --runxfail); each a strict xfail.
 CONTROL_STATE_FAILS: Dict[str, Tuple[str, ...]] = {
     # qwen3_vl's text embeddings bring positions from 0, which win over the primed ones
-    # (docs/model-contract.md item 2; test_control_contract's restored image prefix).
+    # (docs/model-contract.md item 2; the control survey's restored image prefix).
     "0.6.12": ("picture-text-picture",),
     # 0.4.4's qwen3_vl continues a restored prefix at the wrong positions, text prefixes too; a
     # picture after a text prefix fails (MLX's "[broadcast_shapes] Shapes (60) and (28)").
@@ -301,7 +301,7 @@ def test_control_automatic_prefix_cache(control_model, layout, name, request, mo
 
 # ------------------------------------------------- the model's side, against the recorded reference
 # How each pin hands the model the part of a prompt after a restored prefix, driven by hand on
-# the tiny checkpoint and compared with transformers' recorded logits (tests/lib/contract.py).
+# the tiny checkpoint and compared with transformers' recorded logits (scripts/_lib/contract.py).
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The caller contract's drivers (docs/model-contract.md): each calls a model the way one kind
 of caller does and returns the logits of the prompt's last token and of each teacher-forced
 decode step. Used on ours (tests/test_caller_contract.py, against the recorded transformers
-fixtures) and on the control, mlx-vlm's own ``qwen3_vl`` (tests/test_control_contract.py,
+fixtures) and on the control, mlx-vlm's own ``qwen3_vl`` (scripts/pin_bump/control_survey.py,
 against its own one-shot forward pass)."""
 
 from __future__ import annotations
