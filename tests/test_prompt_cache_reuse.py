@@ -28,8 +28,7 @@ import numpy as np
 import pytest
 
 from compass_data import shapes, toy
-from scripts._lib import control, mlx_vlm_run
-from tests.lib import contract
+from scripts._lib import contract, control, mlx_vlm_run
 from tests.lib.conversations import IdsOnly, Turn, primes_a_restored_prefix, prompt_cache_state_class, run_turn
 from tests.lib.vendored import vendored
 
