@@ -278,6 +278,67 @@ def evaluate(model, ref: Reference, seed: int, count: int) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- head layout changes
+def merged_head_slots(heads: int, old_pairs: int) -> list:
+    """For each rotary pair of the one merged head: the (old head, old pair) it is taken from.
+
+    Old pair i turned at base^(-2i / old head_dim), the frequency of merged pair ``heads * i``
+    (the merged head has ``heads`` times the pairs, the same RoPE base): old head h's pair i goes
+    to merged pair ``heads * i + h``, so head 0 keeps its frequencies exactly and each further
+    head turns at the next merged frequency (x base^(-1 / merged head_dim) per step). The
+    interleaved MRoPE sections then give some pairs another axis (t, h, w) than they had: on the
+    toy's stage-13 weights this start's loss was lower than that of keeping every pair's axis
+    (the nearest merged pair of its own axis: provenance, stage 14)."""
+    return [(j % heads, j // heads) for j in range(heads * old_pairs)]
+
+
+def merge_heads(state: dict, config: dict, from_heads: Sequence[int]) -> str:
+    """Read ``state``'s text attention, trained as ``from_heads`` = (query heads, KV heads) of
+    ``hidden_size // heads``, as the one head of ``hidden_size`` (one KV head) ``config`` has; in
+    place. Returns what was done (for the provenance record).
+
+    Each rotary pair (the two halves rotate_half pairs) of an old head keeps its values in q, k,
+    v and o's columns, moved to the merged pair :func:`merged_head_slots` gives it; k and v
+    are the old KV head's, once per old query head that read it, so the merged head's value
+    rows and o's columns give each old head's output through its own o columns, and its scores
+    are the old heads' scores summed; k is scaled by sqrt(new head_dim) / (heads x sqrt(old
+    head_dim)) so that they are averaged at the new 1/sqrt(head_dim). Exact where the old heads
+    attended alike, and in the sliding layers up to the pairs' frequency and axis shifts."""
+    text = config["text_config"]
+    hidden, heads, kv_heads = text["hidden_size"], int(from_heads[0]), int(from_heads[1])
+    if text["num_attention_heads"] != 1 or text["num_key_value_heads"] != 1:
+        raise SystemExit("--from-heads: only merging into one head (one KV head) is implemented")
+    if heads < 2 or heads % kv_heads:
+        raise SystemExit(f"--from-heads {heads} {kv_heads}: not a layout to merge")
+    old_dim = hidden // heads
+    old_pairs, pairs = old_dim // 2, hidden // 2
+    slots = merged_head_slots(heads, old_pairs)
+    # Row r of the merged head: its pair (r % pairs), first or second half (r // pairs).
+    q_rows = [h * old_dim + i + half * old_pairs for half in (0, 1) for h, i in slots]
+    kv_rows = [(h // (heads // kv_heads)) * old_dim + i + half * old_pairs for half in (0, 1) for h, i in slots]
+    scale = math.sqrt(hidden) / (heads * math.sqrt(old_dim))
+    prefix = "model.language_model.layers."
+    layers = sorted({k.split(".")[3] for k in state if k.startswith(prefix)}, key=int)
+    for n in layers:
+        a = f"{prefix}{n}.self_attn."
+        if tuple(state[a + "k_proj.weight"].shape) != (kv_heads * old_dim, hidden):
+            raise SystemExit(
+                f"{a}k_proj: shape {tuple(state[a + 'k_proj.weight'].shape)} is not {heads} heads of {old_dim}"
+            )
+        state[a + "q_proj.weight"] = state[a + "q_proj.weight"][q_rows].clone()
+        state[a + "k_proj.weight"] = state[a + "k_proj.weight"][kv_rows] * scale
+        state[a + "v_proj.weight"] = state[a + "v_proj.weight"][kv_rows].clone()
+        state[a + "o_proj.weight"] = state[a + "o_proj.weight"][:, q_rows].clone()
+    return (
+        f"{heads} heads of {old_dim} ({kv_heads} KV head{'s' if kv_heads > 1 else ''}) merged into one head of {hidden} "
+        f"(train.merge_heads): q_proj rows and o_proj columns of every old head kept, old head h's rotary pair i "
+        f"(of {old_pairs}) moved to merged pair {heads}i+h (of {pairs}: head 0's frequencies exact, head 1's the next "
+        f"merged frequency); k_proj and v_proj ({kv_heads * old_dim} -> {hidden} rows) the old KV head's rows once per query "
+        f"head, in the same order, k scaled by sqrt({hidden}) / ({heads} x sqrt({old_dim})) = {scale:.4f} so the "
+        "merged scores are the old heads' scores averaged"
+    )
+
+
 # ----------------------------------------------------------------------------- training
 def train(
     steps: int,
@@ -289,9 +350,12 @@ def train(
     tower: str = "train",
     eval_pictures: int = EVAL_PICTURES,
     elongated: float = 0.0,
+    from_heads: Optional[Sequence[int]] = None,
 ) -> dict:
     """One stage: train from transformers' initialisation, or from the weights in folder
-    ``init`` (their provenance appended), and write weights and provenance."""
+    ``init`` (their provenance appended), and write weights and provenance. ``from_heads``:
+    ``init``'s text attention was (query heads, KV heads) of another head_dim than
+    :func:`compass_data.toy.toy_config` has now (:func:`merge_heads`)."""
     import torch
     import transformers
 
@@ -304,10 +368,25 @@ def train(
         ref = Reference(folder)
     model = build_model(config)
     previous: dict = {}
+    config_change = None
+    if from_heads is not None and init is None:
+        raise SystemExit("--from-heads reads the weights of --init")
     if init is not None:
         from safetensors.torch import load_file
 
-        missing, unexpected = model.load_state_dict(load_file(str(init / toy.WEIGHTS_FILE.name)), strict=False)
+        state = load_file(str(init / toy.WEIGHTS_FILE.name))
+        if from_heads is not None:
+            text = config["text_config"]
+            section = text["rope_parameters"]["sliding_attention"]["mrope_section"]
+            config_change = (
+                f"toy_config's text attention changed at this stage: {from_heads[0]} heads of "
+                f"{text['hidden_size'] // from_heads[0]} ({from_heads[1]} KV) -> {text['num_attention_heads']} "
+                f"head of {text['hidden_size'] // text['num_attention_heads']} ({text['num_key_value_heads']} KV), "
+                f"MRoPE sections {[s // from_heads[0] for s in section]} -> {section}; "
+                + merge_heads(state, config, from_heads)
+            )
+            print(config_change, flush=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
         if set(missing) != {"lm_head.weight"} or unexpected:  # the head is tied to the embedding
             raise SystemExit(f"{init}: not the toy's weights (missing {missing}, unexpected {unexpected})")
         previous = json.loads((init / toy.PROVENANCE_FILE.name).read_text())
@@ -464,6 +543,8 @@ def train(
         "curve": curve,
         "held_out": held_out,
     }
+    if config_change:
+        this["config_change"] = config_change
     if vision_curve or heads is not None:
         this["vision_phase"] = {
             "what": "the vision tower alone, with linear heads on its merged tokens (thrown away after "
@@ -654,6 +735,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         metavar="SHARE",
         help="share of batches whose pictures have one side at least twice the other (default: %(default)s)",
     )
+    parser.add_argument(
+        "--from-heads",
+        type=int,
+        nargs=2,
+        metavar=("HEADS", "KV_HEADS"),
+        help="--init's text attention had these heads (merged into toy_config's one head: merge_heads)",
+    )
     parser.add_argument("--no-record", action="store_true", help="train only (a stage that another follows)")
     parser.add_argument("--find-demo", type=pathlib.Path, help="print demo scenes these weights answer right")
     args = parser.parse_args(argv)
@@ -670,6 +758,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.tower,
             args.eval_pictures,
             args.elongated,
+            args.from_heads,
         )
     if args.out is None and not args.no_record:
         record_reference()
