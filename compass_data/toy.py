@@ -38,7 +38,7 @@ WEIGHTS_FILE = TOY_DIR / "model.safetensors"
 PROVENANCE_FILE = TOY_DIR / "provenance.json"
 
 HOME_ENV = "COMPASS_COMPAT_HOME"
-DEFAULT_CHECKPOINT = "toy-shapes-v4"  # bump the suffix when the builder's output changes
+DEFAULT_CHECKPOINT = "toy-shapes-v5"  # bump the suffix when the builder's output changes
 MARKER = "compass-compat-default.json"
 TOY_NOTE = (
     "compass-compat's default checkpoint: a TOY, the tiny cohere_compass trained on synthetic "
@@ -56,15 +56,17 @@ SLIDING_WINDOW = 640
 # Told per token which kind it sees, the tiny tower (width 32) read 33% of kinds right after
 # 600 steps, width 64 50%, and 99% after 1500 (the vision phase's curve: provenance.json).
 VISION_WIDTH = dict(hidden_size=64, num_heads=4, intermediate_size=128)
-# Two heads of 32 (one KV head), not the tiny config's four of 16: mx.quantize groups a key by
-# 32, 64 or 128, so uniform KV-cache quantization needs head_dim >= 32 (the full model's is 128).
-TEXT_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
-MROPE_SECTION = [8, 4, 4]  # head_dim // 2 rotary pairs, split t/h/w as the tiny config's [4, 2, 2]
+# One head of 64 (one KV head), not the tiny config's four of 16: mx.quantize groups a key by
+# 32, 64 or 128, so uniform KV-cache quantization needs head_dim >= 32, and mlx-vlm's default
+# kv_group_size (64) needs head_dim 64 or 128 (the full model's is 128). Stages 11-13 had two
+# heads of 32, stage 14 merged them (provenance.json).
+TEXT_HEADS = dict(num_attention_heads=1, num_key_value_heads=1)
+MROPE_SECTION = [16, 8, 8]  # head_dim // 2 rotary pairs, split t/h/w as the tiny config's [4, 2, 2]
 
 
 def toy_config(dtype: str = "float32") -> dict:
     """config.json of the toy: the tiny default config without its test-only unknown keys, with
-    a sliding window (:data:`SLIDING_WINDOW`) longer than its prompts, two text heads of 32
+    a sliding window (:data:`SLIDING_WINDOW`) longer than its prompts, one text head of 64
     (:data:`TEXT_HEADS`) and a wider vision tower (:data:`VISION_WIDTH`)."""
     config = tiny.strip_test_keys(tiny.tiny_config("default", dtype))
     config["text_config"]["sliding_window"] = SLIDING_WINDOW
