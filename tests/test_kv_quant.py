@@ -7,11 +7,13 @@ through the pin's ``models.base.scaled_dot_product_attention``. Expected answers
 transformers' recorded greedy answers (tests/fixtures/toy_reference.json, float).
 
 What MLX cannot do: uniform KV quantization groups a key's ``head_dim`` in groups of 32, 64 or
-128. The default checkpoint has head_dim 32 (``kv_group_size=32``); the tiny one has 16, which no
-group fits: refused by name (``KVCacheQuantizationError``), as is a group larger than head_dim.
-Uniform 8 and 4 bits also run on a tiny checkpoint with head_dim 32 (same tensors, two heads),
-whose random weights give near-tied logits, so only what must hold is asserted there: the run
-completes with finite log-probabilities. Figures against float: scripts/bench/kv_quant.py.
+128. The default checkpoint has head_dim 64: mlx-vlm's default ``kv_group_size`` (64) runs, and
+so does 32. The tiny one has 16, which no group fits: refused by name
+(``KVCacheQuantizationError``), as is a group larger than head_dim (64 on a tiny checkpoint read
+as head_dim 32, 128 on the default one). Uniform 8 and 4 bits also run on that head_dim-32
+checkpoint (the tiny tensors, two heads), whose random weights give near-tied logits, so only
+what must hold is asserted there: the run completes with finite log-probabilities. Figures
+against float: scripts/bench/kv_quant.py.
 """
 
 from __future__ import annotations
@@ -137,8 +139,14 @@ def test_turboquant_default_checkpoint_answers_as_reference(default_loaded, bits
 
 
 def test_uniform_8_bit_default_checkpoint_answers_as_reference(default_loaded):
-    """8-bit keys and values (group 32, the toy's head_dim) from the first token: every text
-    prompt and demo question answers as transformers' float greedy answer."""
+    """8-bit keys and values at mlx-vlm's default kv_group_size (64, the toy's head_dim; none
+    passed) from the first token: every text prompt and demo question answers as transformers'
+    float greedy answer."""
+    _answers_as_reference(default_loaded, kv_bits=8)
+
+
+def test_uniform_8_bit_group_32_default_checkpoint_answers_as_reference(default_loaded):
+    """Group 32 (two groups per key of 64) answers as transformers too."""
     _answers_as_reference(default_loaded, kv_bits=8, kv_group_size=32)
 
 
@@ -178,11 +186,11 @@ def test_uniform_group_larger_than_head_dim_names_the_group_that_fits(head_dim_3
 
 
 @needs_quantized_kv_start
-def test_uniform_default_group_on_the_default_checkpoint_names_kv_group_size_32(default_loaded):
-    """mlx-vlm's default kv_group_size (64) is larger than the toy's head_dim (32): refused by name."""
-    error = _first_step_error(default_loaded, kv_group_size=64)
+def test_uniform_group_128_on_the_default_checkpoint_names_kv_group_size_64(default_loaded):
+    """kv_group_size 128 is larger than the toy's head_dim (64): refused by name, naming 64."""
+    error = _first_step_error(default_loaded, kv_group_size=128)
     assert type(error) is vendored("language").KVCacheQuantizationError
-    assert "kv_group_size=32" in str(error)
+    assert "kv_group_size=64" in str(error) and "head_dim 64" in str(error)
 
 
 def test_a_quantized_cache_a_host_builds_is_refused_by_name(tiny_ckpt_original):
@@ -233,7 +241,8 @@ def _server_flags() -> List[str]:
 
 SERVER_SETTINGS = {
     "turboquant 3.5": ["--kv-bits", "3.5", "--kv-quant-scheme", "turboquant"],
-    "uniform 8": ["--kv-bits", "8", "--kv-group-size", "32"],
+    "uniform 8": ["--kv-bits", "8"],  # mlx-vlm's default --kv-group-size (64)
+    "uniform 8 group 32": ["--kv-bits", "8", "--kv-group-size", "32"],
 }
 
 

@@ -2,7 +2,8 @@
 
 Every question of tests/fixtures/toy_reference.json's test pictures (held out from training,
 ``--pictures`` per size bucket and renderer), asked through mlx-vlm's own ``stream_generate``
-(greedy) with the KV cache float, uniform 8 and 4 bits (``kv_bits``, ``--group-size``), and
+(greedy) with the KV cache float, uniform 8 and 4 bits (``kv_bits``, at each ``--group-sizes``:
+mlx-vlm's default 64, the toy's head_dim, and 32), and
 TurboQuant 4, 3.5 and 3 bits (``kv_quant_scheme="turboquant"`` where the pin has it), the
 quantized cache live from the first token (``quantized_kv_start=0``). Prints per setting: exact
 answers right (describe, count, colour), boxes with IoU >= 0.5, and answers equal to
@@ -24,24 +25,35 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-SETTINGS: Dict[str, dict] = {
-    "float": {},
-    "uniform 8": {"kv_bits": 8},
-    "uniform 4": {"kv_bits": 4},
+TURBOQUANT: Dict[str, dict] = {
     "turboquant 4": {"kv_bits": 4, "kv_quant_scheme": "turboquant"},
     "turboquant 3.5": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
     "turboquant 3": {"kv_bits": 3, "kv_quant_scheme": "turboquant"},
 }
 
 
+def settings(group_sizes: Sequence[int]) -> Dict[str, dict]:
+    """Float, uniform 8 and 4 bits at each group size, then TurboQuant."""
+    out: Dict[str, dict] = {"float": {}}
+    for group in group_sizes:
+        for bits in (8, 4):
+            out[f"uniform {bits} (group {group})"] = {"kv_bits": bits, "kv_group_size": group}
+    return {**out, **TURBOQUANT}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pictures", type=int, default=10, help="test pictures per bucket and renderer (max 10)")
     parser.add_argument(
-        "--group-size", type=int, default=32, help="kv_group_size of the uniform settings (the toy's head_dim: 32)"
+        "--group-sizes",
+        type=int,
+        nargs="+",
+        default=[64, 32],
+        help="kv_group_size of the uniform settings (default: mlx-vlm's default 64, the toy's head_dim, and 32)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    measured = settings(args.group_sizes)
 
     from PIL import Image
 
@@ -70,15 +82,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             recorded = wanted[(bucket, renderer, example.index)]
             for kind, q in example.questions.items():
                 prompt = mlx_vlm_run.chat_prompt(loaded, q.prompt, 1)
-                for name, kwargs in SETTINGS.items():
+                for name, kwargs in measured.items():
                     if name in refused:
                         continue
                     if kwargs.get("kv_quant_scheme") == "turboquant" and not turbo:
                         refused[name] = "this mlx-vlm has no mlx_vlm.turboquant"
                         continue
                     extra = dict(kwargs, quantized_kv_start=0) if kwargs else {}
-                    if "kv_bits" in kwargs and "kv_quant_scheme" not in kwargs:
-                        extra["kv_group_size"] = args.group_size
                     try:
                         ids = mlx_vlm_run.greedy_ids(loaded, prompt, [path], reference["max_new_tokens"], **extra)
                     except (ValueError, NotImplementedError, TypeError) as err:
@@ -115,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "| box = transformers' (float) |"
     )
     print("| --- | --- | --- | --- | --- |")
-    for name in SETTINGS:
+    for name in measured:
         if name in refused:
             print(f"| {name} | refused: {refused[name]} | | | |")
             continue

@@ -5,7 +5,7 @@ start its server, what a request body looks like there, which phases and request
 calls :func:`main`. For every phase the run:
 
 1. copies the default checkpoint (compass_data.toy.ensure_default_checkpoint, as
-   `python -m compass_compat generate` finds it) to OUT/models/toy-shapes-v4;
+   `python -m compass_compat generate` finds it) to OUT/models/toy-shapes-v5;
 2. computes the expected answer of every distinct request with one
    `python -m compass_compat generate --temperature 0` process each (fresh processes: nothing
    carries over between requests);
@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
 PROBE_DIR = Path(__file__).resolve().parent / "probe"
-MODEL_ID = "toy-shapes-v4"  # compass_data.toy.DEFAULT_CHECKPOINT; checked in prepare_model_dir
+MODEL_ID = "toy-shapes-v5"  # compass_data.toy.DEFAULT_CHECKPOINT; checked in prepare_model_dir
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 FORCE = "COMPASS_COMPAT_FORCE_VENDORED"
 

@@ -10,9 +10,9 @@ What it does, in order:
 
 1. locates (or builds once) the default checkpoint exactly as `python -m compass_compat generate`
    does (compass_data.toy.ensure_default_checkpoint, $COMPASS_COMPAT_HOME honoured) and copies it
-   to OUT/models/toy-shapes-v4: `omlx serve --model-dir` serves every subfolder, and the
+   to OUT/models/toy-shapes-v5: `omlx serve --model-dir` serves every subfolder, and the
    folder name is the model id that requests name;
-2. expected answers: one `python -m compass_compat generate --model OUT/models/toy-shapes-v4
+2. expected answers: one `python -m compass_compat generate --model OUT/models/toy-shapes-v5
    --no-verbose --temperature 0 --max-tokens N [--image ...|--no-image] --prompt TEXT` process per
    distinct request (a fresh process, so no model state carries over between requests);
 3. prompt check, in this process: the host's own prompt pipeline (omlx's request model, message
@@ -76,7 +76,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
-MODEL_ID = "toy-shapes-v4"  # the default checkpoint it serves (compass_data.toy.DEFAULT_CHECKPOINT)
+MODEL_ID = "toy-shapes-v5"  # the default checkpoint it serves (compass_data.toy.DEFAULT_CHECKPOINT)
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 REEXEC = "OMLX_E2E_SOURCE"  # set when re-run on an exported --git-rev tree
 SOURCES = ("compass_compat", "compass_data", "vendor")  # what the package is made of
