@@ -9,6 +9,7 @@ import base64
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import mlx_vlm
 from packaging.version import Version
@@ -45,7 +46,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class Process:
+    """A server process in its own process group, its output in ``log_path``; ``stop`` ends the group.
+
+    What every server these tests and scripts start shares (ours below, the hosts' in
+    scripts/hosts/common/e2e.py)."""
+
+    def __init__(self, argv: List[str], log_path: Path, env: Dict[str, str], cwd: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(cwd),
+            start_new_session=True,  # its own process group: stop() ends its children too
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> Optional[int]:
+        """SIGTERM to the group, then SIGKILL; returns the exit code."""
+        if self.log.closed:  # stopped before
+            return self.proc.returncode
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # children it left behind
+        self.log.close()
+        return self.proc.returncode
+
+    def log_size(self) -> int:
+        with contextlib.suppress(OSError):
+            return self.log_path.stat().st_size
+        return 0
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+
+    def tail(self, n: int = 60) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+class Server(Process):
     """One server process for ``model``, started at once (output to ``log``), running this tree's
     compass_compat (``path`` goes before it on PYTHONPATH). ``with Server(...) as s`` waits for
     /health and stops it on the way out; ``post`` sends one request."""
@@ -64,30 +120,13 @@ class Server:
             self.model = str(default_checkpoint_path())
         else:
             self.model = str(model)
-        self.log_path = log
         self.port = free_port()
         env = {**{k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}, **(env or {})}
         # The installed compass_compat may be another checkout's editable install.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (*path, str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "compass_compat",
-                "server",
-                *extra,
-                *(["--model", self.model] if model is not None else []),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log.parent),
-        )
+        argv = [sys.executable, "-m", "compass_compat", "server", *extra]
+        argv += ["--model", self.model] if model is not None else []
+        super().__init__(argv + ["--host", "127.0.0.1", "--port", str(self.port)], log, env, log.parent)
 
     def __enter__(self) -> "Server":
         try:
@@ -117,11 +156,6 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.5)
         raise ServerError(f"server neither served nor exited after {START_TIMEOUT}s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def request(self, body: dict, route: str = ROUTE) -> urllib.request.Request:
         """A JSON POST of ``body`` to ``route`` on this server."""
@@ -153,16 +187,6 @@ class Server:
                 return err.code, json.loads(raw)
             except ValueError:
                 return err.code, {"raw": raw.decode("utf-8", "replace")}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
-        self.log.close()
 
 
 @contextlib.contextmanager

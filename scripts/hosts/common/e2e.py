@@ -1,27 +1,31 @@
-"""The host end-to-end runs' shared part: requests, reference answers, server, probe, table.
+"""The host end-to-end driver: requests, reference answers, prompt check, server, probe, table.
 
 A host script (scripts/hosts/<host>/e2e.py) describes its host as a :class:`Host` (how to
-start its server, what a request body looks like there, which phases and requests to run) and
-calls :func:`main`. For every phase the run:
+start its server, what a request body looks like there, which phases and requests to run, an
+optional in-process prompt check) and calls :func:`main`. The run:
 
 1. copies the default checkpoint (compass_data.toy.ensure_default_checkpoint, as
    `python -m compass_compat generate` finds it) to OUT/models/toy-shapes-v5;
 2. computes the expected answer of every distinct request with one
    `python -m compass_compat generate --temperature 0` process each (fresh processes: nothing
    carries over between requests);
-3. starts the host's server on 127.0.0.1 with the documented opt-in
+3. where the host has one, runs its prompt check in this process (what the host's own prompt
+   pipeline hands mlx-vlm against what the CLI hands it); a request whose inputs differ fails;
+4. for every phase, starts the host's server on 127.0.0.1 with the documented opt-in
    (COMPASS_COMPAT_AUTOPATCH=1, no other flag: where the installed mlx-vlm ships its own
    cohere_compass the recorded verdicts make the vendored one live) and the probe (scripts/hosts/common/probe) on its
    PYTHONPATH, sends the phase's requests (greedy, fixed max_tokens; sequential ones in order,
    then the concurrent group at once), and always stops the server;
-4. reads the probe's report from inside the host's processes: the vendored package must be
+5. reads the probe's report from inside the host's processes: the vendored package must be
    the live one (compass_compat.implementation_info()), or every request of the phase fails;
-5. prints `host | request | expected | got | equal`, writes OUT/results.json and
+6. prints `host | request | expected | got | equal`, writes OUT/results.json and
    OUT/table.md, and exits 1 on any difference (2 when the environment is not usable).
 
 `--source DIR` runs another checkout's compass_compat/compass_data/vendor (DIR goes first on
 PYTHONPATH of the reference processes and the server), e.g. /work/main after a fix; the
-probe records which compass_compat the host imported.
+probe records which compass_compat the host imported; `--git-rev REV` runs REV's, exported
+with `git archive` to OUT/src-<sha>. Host executables start as `python <console script>` of this
+interpreter: a moved environment keeps its scripts' old `#!` lines.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,17 +51,23 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
+if str(ROOT) not in sys.path:  # run as a file: the host scripts import scripts.hosts.common.e2e
+    sys.path.insert(0, str(ROOT))
+
+from scripts._lib.server import Process, free_port  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
 PROBE_DIR = Path(__file__).resolve().parent / "probe"
 MODEL_ID = "toy-shapes-v5"  # compass_data.toy.DEFAULT_CHECKPOINT; checked in prepare_model_dir
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
 FORCE = "COMPASS_COMPAT_FORCE_VENDORED"
+SOURCES = ("compass_compat", "compass_data", "vendor")  # what --git-rev exports
 
 
 # --------------------------------------------------------------------------- requests
 @dataclass
 class Case:
-    """One chat request: a single user turn, image parts first, then one text part."""
+    """One chat request: a single user turn, image parts first, then video parts, then one text part."""
 
     name: str
     images: List[str]
@@ -66,9 +75,11 @@ class Case:
     what: str
     stream: bool = False
     group: str = "sequential"  # "sequential" or "concurrent"
+    # Sent as video_url parts to a host documented to drop them: the reference is the request without them.
+    dropped_videos: List[str] = field(default_factory=list)
 
-    def key(self) -> Tuple[Tuple[str, ...], str]:
-        return tuple(self.images), self.text
+    def key(self) -> Tuple[Tuple[str, ...], str, Tuple[str, ...]]:
+        return tuple(self.images), self.text, tuple(self.dropped_videos)
 
 
 @dataclass
@@ -100,6 +111,8 @@ class Host:
     stream_only: bool = False
     trimmed_ok: bool = False  # the host strips surrounding whitespace of non-streamed replies
     log_notes: Optional[Callable[[str], List[str]]] = None  # server log segment -> notes per request
+    # (model dir, distinct cases, max_tokens) -> per case name {"ok", "diffs", "prompt_tokens"} or {"error"}
+    prompt_check: Optional[Callable[[Path, List["Case"], int], Dict[str, Dict[str, Any]]]] = None
 
 
 @dataclass
@@ -113,6 +126,8 @@ class Result:
     error: Optional[str] = None
     finish_reason: Optional[str] = None
     prompt_tokens_host: Optional[int] = None
+    prompt_tokens_ref: Optional[int] = None
+    prompt_check: str = ""  # "same", "DIFFERS: ...", "error: ..." where the host has a prompt check
     seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
 
@@ -181,10 +196,35 @@ def log(host: str, msg: str) -> None:
     print(f"[{host}-e2e] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def console_script(name: str) -> List[str]:
+    """argv that starts this environment's console script ``name`` (see the module docstring)."""
+    return [sys.executable, str(Path(sys.executable).with_name(name))]
+
+
+def lists_model(reply: Any) -> Optional[str]:
+    """A ready_check: None once /v1/models lists MODEL_ID."""
+    ids = [m.get("id") for m in (reply.get("data") or [])]
+    return None if MODEL_ID in ids else f"/v1/models lists {ids}"
+
+
+def export_rev(rev: str, out: Path) -> Path:
+    """`git archive` of the SOURCES folders rev has into out/src-<sha> (reads objects only)."""
+
+    def git(*args: str, **kw: Any) -> Any:
+        return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, timeout=60, **kw)
+
+    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}", text=True).stdout.strip()
+    dest = out / f"src-{sha[:12]}"
+    if not (dest / "compass_compat" / "__init__.py").is_file():
+        tmp = out / f".src-{sha[:12]}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        present = [p for p in git("ls-tree", "--name-only", sha, text=True).stdout.split() if p in SOURCES]
+        archive = git("archive", "--format=tar", sha, *present).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True, timeout=60)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    return dest
 
 
 def git_revision(folder: Path) -> str:
@@ -195,7 +235,7 @@ def git_revision(folder: Path) -> str:
 
     try:
         head = git("log", "-1", "--format=%h %cs").strip()
-        dirty = git("status", "--porcelain", "--", "compass_compat", "compass_data", "vendor").strip()
+        dirty = git("status", "--porcelain", "--", *SOURCES).strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + (" + uncommitted changes" if dirty else "")
@@ -229,8 +269,9 @@ def data_uri(path: str, _cache: Dict[str, str] = {}) -> str:  # noqa: B006  (a d
 
 def openai_body(case: Case, max_tokens: int, stream: bool) -> Dict[str, Any]:
     content: Any = case.text
-    if case.images:
+    if case.images or case.dropped_videos:
         content = [{"type": "image_url", "image_url": {"url": data_uri(p)}} for p in case.images]
+        content += [{"type": "video_url", "video_url": {"url": data_uri(p)}} for p in case.dropped_videos]
         content.append({"type": "text", "text": case.text})
     body: Dict[str, Any] = {
         "model": MODEL_ID,
@@ -267,6 +308,14 @@ def source_env(source: Optional[Path], extra: Dict[str, str]) -> Dict[str, str]:
     return env
 
 
+def generate_argv(model_dir: Path, case: Case, max_tokens: int) -> List[str]:
+    """The arguments of `python -m compass_compat` that answer ``case`` greedily."""
+    argv = ["generate", "--model", str(model_dir), "--no-verbose", "--temperature", "0"]
+    argv += ["--max-tokens", str(max_tokens)]
+    argv += ["--image", *case.images] if case.images else ["--no-image"]
+    return argv + ["--prompt", case.text]
+
+
 def expected_text(
     model_dir: Path, case: Case, max_tokens: int, env: Dict[str, str]
 ) -> Tuple[Optional[str], Optional[str]]:
@@ -275,10 +324,7 @@ def expected_text(
     It runs in the checkpoint's folder: `python -m` puts the working folder first on sys.path,
     and the checkout's root there would shadow a --source checkout.
     """
-    argv = [sys.executable, "-m", "compass_compat", "generate", "--model", str(model_dir), "--no-verbose"]
-    argv += ["--temperature", "0", "--max-tokens", str(max_tokens)]
-    argv += ["--image", *case.images] if case.images else ["--no-image"]
-    argv += ["--prompt", case.text]
+    argv = [sys.executable, "-m", "compass_compat", *generate_argv(model_dir, case, max_tokens)]
     try:
         proc = subprocess.run(argv, capture_output=True, env=env, timeout=300, cwd=str(model_dir.parent))
     except subprocess.TimeoutExpired:
@@ -291,63 +337,13 @@ def expected_text(
 
 
 # --------------------------------------------------------------------------- server
-class Server:
-    def __init__(self, argv: List[str], env: Dict[str, str], log_path: Path, cwd: Path):
-        self.argv, self.env, self.log_path, self.cwd = argv, env, log_path, cwd
-        self.proc: Optional[subprocess.Popen] = None
-        self._log = None
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            cwd=str(self.cwd),
-            start_new_session=True,  # its own process group: stop() ends its children too
-        )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> Optional[int]:
-        if self.proc is None:
-            return None
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=wait)
-                if sig == signal.SIGTERM:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)  # children it left behind
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        if self._log:
-            self._log.close()
-        return self.proc.returncode
-
-    def log_size(self) -> int:
-        with contextlib.suppress(OSError):
-            return self.log_path.stat().st_size
-        return 0
-
-    def log_since(self, offset: int) -> str:
-        with open(self.log_path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode("utf-8", "replace")
-
-
 def http_get_json(url: str, headers: Dict[str, str], timeout: float) -> Any:
     req = urllib.request.Request(url, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)
 
 
-def wait_ready(host: Host, server: Server, base_url: str, timeout: float) -> float:
+def wait_ready(host: Host, server: Process, base_url: str, timeout: float) -> float:
     start = time.monotonic()
     last = ""
     while time.monotonic() - start < timeout:
@@ -359,7 +355,7 @@ def wait_ready(host: Host, server: Server, base_url: str, timeout: float) -> flo
             if problem is None:
                 return time.monotonic() - start
             last = problem
-        except (urllib.error.URLError, ConnectionError, socket.timeout, ValueError) as err:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
             last = f"{type(err).__name__}: {err}"
         time.sleep(1.0)
     raise TimeoutError(f"the server was not ready after {timeout:.0f} s ({last})")
@@ -415,6 +411,8 @@ def post_chat(base_url: str, body: Dict[str, Any], headers: Dict[str, str], time
                 out["error"] = "; ".join(errors)
             elif not done:
                 out["error"] = "stream ended without data: [DONE]"
+            elif out["finish_reason"] is None:
+                out["error"] = "stream ended without a finish_reason"
     except urllib.error.HTTPError as err:
         out["error"] = f"HTTP {err.code}: {err.read().decode('utf-8', 'replace')[:300]}"
     except Exception as err:  # reset, timeout, a body cut short, bad JSON, ...
@@ -571,7 +569,7 @@ def run_phase(
     extra_env = " ".join(f"{k}={v}" for k, v in shown.items())
     command = " ".join(filter(None, [opt_in, extra_env, *argv])).replace(str(ROOT) + "/", "")
     log(host.name, f"phase {phase.name}: {command}")
-    server = Server(argv, penv, out / f"serve-{phase.name}.log", out)
+    server: Optional[Process] = None
     base_url = f"http://127.0.0.1:{port}"
     phase_info: Dict[str, Any] = {"command": command, "note": phase.note}
     mine = [results[(phase.name, c.name)] for c in phase.cases]
@@ -582,7 +580,7 @@ def run_phase(
                 r.error = reason
 
     try:
-        server.start()
+        server = Process(argv, out / f"serve-{phase.name}.log", penv, out)
         phase_info["ready_seconds"] = round(wait_ready(host, server, base_url, args.ready_timeout), 1)
         log(host.name, f"ready after {phase_info['ready_seconds']} s on {base_url}")
 
@@ -601,6 +599,8 @@ def run_phase(
             r.prompt_tokens_host, r.seconds = reply.get("prompt_tokens"), round(reply["seconds"], 1)
             if reply.get("error"):
                 r.error = (r.error + "; " if r.error else "") + reply["error"]
+            elif r.finish_reason not in ("length", "stop"):
+                r.notes.append(f"finish_reason {r.finish_reason}")
             if host.log_notes:
                 r.notes.extend(host.log_notes(segment))
             errs = server_errors(segment)
@@ -641,8 +641,9 @@ def run_phase(
         log(host.name, f"phase {phase.name} aborted: {type(err).__name__}: {err}")
         fail_all(f"not sent ({type(err).__name__}: {err})")
     finally:
-        phase_info["server_exit"] = server.stop()
-        log(host.name, f"server stopped (exit {phase_info['server_exit']}); log: {server.log_path}")
+        if server is not None:
+            phase_info["server_exit"] = server.stop()
+            log(host.name, f"server stopped (exit {phase_info['server_exit']}); log: {server.log_path}")
 
     ok, verdict, records = read_probes(probe_dir, vendor_dir)
     phase_info.update(probe_ok=ok, probe=verdict, probe_records=records)
@@ -665,6 +666,10 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per HTTP request")
     ap.add_argument("--phase", action="append", help="run only these phases (repeatable)")
     ap.add_argument("--source", type=Path, help="checkout whose compass_compat/vendor to run (first on PYTHONPATH)")
+    ap.add_argument(
+        "--git-rev", help="run compass-compat as committed at this revision (e.g. HEAD): --source of its export"
+    )
+    ap.add_argument("--no-prompt-check", action="store_true", help="skip the host's in-process prompt check")
     ap.add_argument("--width", type=int, default=40, help="table column width for texts")
     ap.add_argument(
         "--server-args", default="", help="extra server arguments for every phase, one string (e.g. a host flag to try)"
@@ -672,6 +677,8 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     source = args.source.resolve() if args.source else None
+    if args.git_rev:
+        source = export_rev(args.git_rev, args.out.resolve())
     if source is not None:
         sys.path.insert(0, str(source))
     try:
@@ -720,12 +727,40 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
             if err:
                 results[(p.name, c.name)].error = f"reference: {err}"
     log(host.name, f"expected answers: {len(distinct)} generate processes in {time.monotonic() - t0:.1f} s")
+    checks = {}
+    if host.prompt_check and not args.no_prompt_check:
+        t0 = time.monotonic()
+        checks = host.prompt_check(model_dir, list(distinct.values()), args.max_tokens)
+        by_key = {c.key(): checks[c.name] for c in distinct.values()}
+        for p in phases:
+            for c in p.cases:
+                entry, r = by_key[c.key()], results[(p.name, c.name)]
+                r.prompt_tokens_ref = entry.get("prompt_tokens")
+                if entry.get("error"):
+                    r.prompt_check = "error: " + entry["error"]
+                else:
+                    r.prompt_check = "same" if entry["ok"] else "DIFFERS: " + ", ".join(entry["diffs"])
+        verdicts = ", ".join(f"{n} {'same' if e.get('ok') else 'NOT same'}" for n, e in checks.items())
+        log(host.name, f"prompt check ({time.monotonic() - t0:.1f} s): {verdicts}")
 
-    phase_info = {p.name: run_phase(host, p, model_dir, out, results, args, env, vendor_dir) for p in phases}
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # run_phase stops the server on the way out
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        phase_info = {p.name: run_phase(host, p, model_dir, out, results, args, env, vendor_dir) for p in phases}
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     ordered = [results[(p.name, c.name)] for p in phases for c in p.cases]
     for r in ordered:
         judge(r, host.trimmed_ok)
         if not phase_info[r.phase]["probe_ok"]:
+            r.equal = "NO"
+        if r.prompt_tokens_host not in (None, r.prompt_tokens_ref) and r.prompt_tokens_ref is not None:
+            r.notes.append(f"prompt tokens host {r.prompt_tokens_host} vs ref {r.prompt_tokens_ref}")
+        if r.prompt_check not in ("", "same"):
+            r.notes.append(f"prompt check {r.prompt_check}")
             r.equal = "NO"
     rows = table_rows(host, ordered, args.width)
     print()
@@ -744,6 +779,7 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         "max_tokens": args.max_tokens,
         "seconds": seconds,
         "phases": phase_info,
+        "prompt_check": checks,
         "results": [asdict(r) for r in ordered],
         "failed": bad,
         "summary": summary,

@@ -1,4 +1,4 @@
-"""What tests/test_host_e2e_<host>.py share: is the host here, and run its e2e.py as a test."""
+"""What tests/test_host_e2e.py needs: is the host here, and run its e2e.py as a test."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 # The module that tells the host is installed in this interpreter, per host.
-HOST_MODULES = {"lmstudio": "mlx_engine.server", "rapid_mlx": "rapid_mlx", "vmlx": "vmlx_engine"}
+HOST_MODULES = {"lmstudio": "mlx_engine.server", "omlx": "omlx", "rapid_mlx": "rapid_mlx", "vmlx": "vmlx_engine"}
 
 
 def host_installed(host: str) -> bool:

@@ -1,5 +1,5 @@
 # Shared body of scripts/hosts/<host>/run.sh (sourced, not run): build (or reuse) the host's
-# environment with its env.sh, then run tests/test_host_e2e_<host>.py there, which runs
+# environment with its env.sh, then run tests/test_host_e2e.py's case of the host there, which runs
 # scripts/hosts/<host>/e2e.py and prints its table. Exit 0 only if every request is equal.
 # The host script sets HOST (e.g. lmstudio) and ENV_DIR; its arguments go to e2e.py.
 set -euo pipefail
@@ -9,7 +9,7 @@ bash "$root/scripts/hosts/$HOST/env.sh"
 mkdir -p "$root/build/hosts/$HOST"
 cd "$root"
 rc=0
-HOST_E2E_ARGS="$*" "$ENV_DIR/bin/python" -m pytest "tests/test_host_e2e_$HOST.py" -q -rs -s -p no:cacheprovider \
+HOST_E2E_ARGS="$*" "$ENV_DIR/bin/python" -m pytest "tests/test_host_e2e.py::test_host_answers_equal_compass_compat_generate[$HOST]" -q -rs -s -p no:cacheprovider \
   --junitxml "$root/build/hosts/$HOST/pytest.xml" || rc=$?
 echo "[run-$HOST] done in $((SECONDS - start)) s (exit $rc); log build/hosts/$HOST/e2e.log, table build/hosts/$HOST/table.md"
 exit $rc

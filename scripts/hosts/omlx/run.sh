@@ -1,17 +1,8 @@
 #!/usr/bin/env bash
-# oMLX end to end in one command: build (or reuse) .venvs/omlx-0.7.0, then run
-# tests/test_omlx_e2e.py there, which runs scripts/hosts/omlx/e2e.py (`omlx serve` on 127.0.0.1 with
-# the startup hook vs `python -m compass_compat generate`) and prints its table.
-# Usage: scripts/hosts/omlx/run.sh [omlx_e2e.py args, e.g. --git-rev HEAD]
-# Output: build/omlx/{e2e.log,serve.log,results.json,pytest.xml}. Exit 0 only if every request matches.
-set -euo pipefail
-root="$(cd "$(dirname "$0")/../../.." && pwd)"
-start=$SECONDS
-bash "$root/scripts/hosts/omlx/env.sh"
-mkdir -p "$root/build/omlx"
-cd "$root"
-rc=0
-OMLX_E2E_ARGS="$*" "$root/.venvs/omlx-0.7.0/bin/python" -m pytest tests/test_omlx_e2e.py -q -rs -s \
-  --junitxml "$root/build/omlx/pytest.xml" || rc=$?
-echo "[run-omlx] done in $((SECONDS - start)) s (exit $rc); log build/omlx/e2e.log"
-exit $rc
+# oMLX end to end in one command (.ci/run's oMLX stage): build (or reuse) .venvs/omlx-0.7.0 with
+# scripts/hosts/omlx/env.sh, then run tests/test_host_e2e.py's omlx case there (scripts/hosts/omlx/e2e.py
+# against `python -m compass_compat generate`). Usage: scripts/hosts/omlx/run.sh [e2e.py args, e.g. --git-rev HEAD]
+# Output: build/hosts/omlx/{e2e.log,serve-*.log,results.json,table.md,pytest.xml}. Exit 0 only if every request is equal.
+HOST=omlx
+ENV_DIR="$(cd "$(dirname "$0")/../../.." && pwd)/.venvs/omlx-0.7.0"
+source "$(dirname "$0")/../common/run.sh"

@@ -30,7 +30,7 @@ from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from scripts.hosts.common.e2e import Case, Host, Phase, long_text, main, standard_cases  # noqa: E402
+from scripts.hosts.common.e2e import Case, Host, Phase, console_script, long_text, main, standard_cases  # noqa: E402
 
 LANE = ["--max-num-seqs", "1", "--prefill-batch-size", "1", "--completion-batch-size", "1"]
 
@@ -40,9 +40,8 @@ def cases() -> List[Case]:
 
 
 def command(model_dir: Path, port: int) -> List[str]:
-    exe = str(Path(sys.executable).with_name("rapid-mlx"))
     return [
-        exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        *console_script("rapid-mlx"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", model_dir.name, "--mllm",
     ]  # fmt: skip
 

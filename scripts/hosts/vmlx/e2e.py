@@ -26,17 +26,20 @@ from typing import List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from scripts.hosts.common.e2e import MODEL_ID, Host, Phase, main, standard_cases  # noqa: E402
+from scripts.hosts.common.e2e import (  # noqa: E402
+    MODEL_ID,
+    Host,
+    Phase,
+    console_script,
+    lists_model,
+    main,
+    standard_cases,
+)
 
 
 def command(model_dir: Path, port: int) -> List[str]:
-    exe = str(Path(sys.executable).with_name("vmlx"))
-    return [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_ID]
-
-
-def listed(reply) -> str | None:
-    ids = [m.get("id") for m in (reply.get("data") or [])]
-    return None if MODEL_ID in ids else f"/v1/models lists {ids}"
+    serve = ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_ID]
+    return console_script("vmlx") + serve
 
 
 HOST = Host(
@@ -45,7 +48,7 @@ HOST = Host(
     distributions=["vmlx", "mlx", "mlx-vlm", "mlx-lm", "transformers", "torch"],
     command=command,
     ready_path="/v1/models",
-    ready_check=listed,
+    ready_check=lists_model,
     env={"VMLX_GPU_KEEPALIVE": "0"},
     phases=lambda: [
         Phase("default", standard_cases(), note="vMLX's defaults"),
