@@ -1,7 +1,9 @@
-"""The caller contract on the control, a survey of the installed mlx-vlm: which contract items
-mlx-vlm's own ``qwen3_vl`` (a tiny random checkpoint, scripts/_lib/control.py) passes, driven by
-exactly the calls tests/test_caller_contract.py makes on ours (scripts/_lib/contract.py) and
-compared with its own one-shot forward pass.
+"""The control on the installed mlx-vlm, a survey: which items mlx-vlm's own ``qwen3_vl`` (a tiny
+random checkpoint, scripts/_lib/control.py) passes. First the control itself (built deterministically,
+loaded exactly, its cases' shapes, pixels reaching the logits, its greedy paths agreeing, its image
+positions by Qwen3-VL's rule) and the pin's own qwen3_vl defects (an item per defect, failing where
+the pin has it); then the caller contract, driven by exactly the calls tests/test_caller_contract.py
+makes on ours (scripts/_lib/contract.py) and compared with its own one-shot forward pass.
 
     python -m scripts.pin_bump.control_survey [--json OUT]     (in a pin's environment; pin_bump.sh runs it)
 
@@ -23,11 +25,213 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
+import numpy as np
+
 EXPECTED = Path(__file__).resolve().parent / "control_expected.json"
 ALL = ["text_short", "text_long", "image", "two_images"]
 TEXT = ["text_short", "text_long"]
+STEPS = 6
 
 
+# --------------------------------------------------------------------------- the control itself
+def builds_are_byte_identical_and_a_rebuild_writes_nothing(folder: Path) -> None:
+    from scripts._lib import control
+
+    again = control.build_control(folder.parent / "again")
+    for name in control.FILES:
+        assert (again / name).read_bytes() == (folder / name).read_bytes(), name
+    record = json.loads((again / control.FINGERPRINT_FILE).read_text())
+    assert record["weights_sha256"] == control.weights_sha256(control.control_weights(0))
+    stamps = {name: (again / name).stat().st_mtime_ns for name in control.FILES}
+    control.build_control(again)
+    assert {name: (again / name).stat().st_mtime_ns for name in control.FILES} == stamps
+    # A damaged file is rewritten; another seed gives other weights.
+    (again / "model.safetensors").write_bytes(b"\0" * 16)
+    control.build_control(again)
+    assert (again / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    other = control.build_control(folder.parent / "seed1", seed=1)
+    assert (other / "model.safetensors").read_bytes() != (folder / "model.safetensors").read_bytes()
+
+
+def loads_exactly_the_built_weights(model) -> None:
+    from mlx.utils import tree_flatten
+
+    from scripts._lib import control
+
+    assert type(model).__module__ == "mlx_vlm.models.qwen3_vl.qwen3_vl"
+    built = control.control_weights(0)
+    loaded = dict(tree_flatten(model.parameters()))
+    assert len(loaded) == len(built)
+    for key, value in built.items():
+        for hf, mlx in (("model.language_model.", "language_model.model."), ("model.visual.", "vision_tower.")):
+            if key.startswith(hf):
+                key = mlx + key[len(hf) :]
+        if key.startswith("lm_head."):
+            key = "language_model." + key
+        if key.endswith("patch_embed.proj.weight"):  # torch [O, C, T, P, P] -> MLX [O, T, P, P, C]
+            value = value.transpose(0, 2, 3, 4, 1)
+        np.testing.assert_array_equal(np.array(loaded[key]), value, err_msg=key)
+
+
+def case_shapes_and_finite_logits(model, case: str) -> None:
+    from scripts._lib import control
+
+    inputs = control.control_prompt(case)
+    runs, grids = control.CASES[case]
+    ids = np.array(inputs["input_ids"])[0]
+    tokens = [control.image_token_count(g) for g in grids]
+    assert ids.shape == (sum(runs) + sum(tokens) + 2 * len(grids),)
+    assert int((ids == control.IMAGE_ID).sum()) == sum(tokens)
+    assert int((ids == control.VISION_START_ID).sum()) == int((ids == control.VISION_END_ID).sum()) == len(grids)
+    if grids:
+        assert inputs["pixel_values"].shape == (sum(t * h * w for t, h, w in grids), control.PATCH_DIM)
+        assert np.array(inputs["image_grid_thw"]).tolist() == [list(g) for g in grids]
+    logits = control.one_shot_logits(model, inputs)
+    assert logits.shape == (ids.size, control.VOCAB_SIZE)
+    assert np.isfinite(logits).all()
+    # Same case, same inputs: the same logits bit for bit.
+    np.testing.assert_array_equal(control.one_shot_logits(model, control.control_prompt(case)), logits)
+
+
+def pixels_reach_the_logits_only_after_the_first_image(model, case: str) -> None:
+    from scripts._lib import control
+
+    inputs = control.control_prompt(case)
+    first = int(np.argmax(np.array(inputs["input_ids"])[0] == control.IMAGE_ID))
+    base = control.one_shot_logits(model, inputs)
+    other = control.one_shot_logits(model, control.control_prompt(case, pixel_seed=7))
+    # Causal: the text before the first image token cannot see the pixels.
+    np.testing.assert_allclose(other[:first], base[:first], rtol=0, atol=1e-6)
+    assert (np.abs(other[first:] - base[first:]).max(axis=-1) > 1e-3).all()
+    assert np.abs(other[-1] - base[-1]).max() > 0.1
+
+
+def a_picture_patchifies_into_the_grid_it_names(model) -> None:
+    from scripts._lib import control
+
+    picture = np.random.default_rng(3).integers(0, 256, size=(64, 96, 3), dtype=np.uint8)
+    rows, grid = control.patchify(picture)
+    assert grid == control.CASES["image"][1][0] == (1, 4, 6)
+
+    def normalized(block: np.ndarray) -> np.ndarray:
+        return (block.transpose(2, 0, 1).astype(np.float32) / 255.0 - 0.5) / 0.5
+
+    # Row 1 is the second patch of the first merge block: picture rows 0-15, columns 16-31.
+    patch = rows[1].reshape(3, 2, 16, 16)
+    np.testing.assert_allclose(patch[:, 0], normalized(picture[0:16, 16:32]), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(patch[:, 0], patch[:, 1])
+    # Row 2 starts the merge block's second row: picture rows 16-31, columns 0-15.
+    np.testing.assert_allclose(rows[2].reshape(3, 2, 16, 16)[:, 0], normalized(picture[16:32, 0:16]), rtol=0, atol=1e-6)
+    assert np.isfinite(control.one_shot_logits(model, control.control_prompt("image", pixel_values=rows))).all()
+
+
+def greedy_paths_agree(model, case: str) -> None:
+    from scripts._lib import control
+
+    inputs = control.control_prompt(case)
+    reference = control.recompute_greedy(model, inputs, STEPS)
+    assert reference[0] == int(np.argmax(control.one_shot_logits(model, inputs)[-1]))
+    assert control.one_shot_greedy(model, inputs, STEPS) == reference
+    assert control.pin_greedy(model, inputs, STEPS) == reference
+
+
+def positions_of_one_image_follow_the_rule(model) -> None:
+    import mlx.core as mx
+
+    from scripts._lib import control
+
+    inputs = control.control_prompt("image")
+    control.fresh_state(model)
+    lm = model.language_model
+    positions, delta = lm.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"], None, inputs["mask"])
+    expected = control.expected_positions(inputs)
+    np.testing.assert_array_equal(np.array(positions)[:, 0, :], expected)
+    assert int(mx.array(delta).reshape(-1)[0].item()) == expected.max() + 1 - expected.shape[1]
+
+
+# --------------------------------------------------------------------------- the pins' own qwen3_vl defects
+def no_rope_index_one_image(model) -> None:
+    from scripts._lib import control
+
+    two = control.control_prompt("two_images")
+    control.fresh_state(model)
+    positions, _ = model.language_model.get_rope_index(two["input_ids"], two["image_grid_thw"], None, two["mask"])
+    assert np.array_equal(np.array(positions)[:, 0, :], control.expected_positions(two)), (
+        "get_rope_index finds the vision-start token by summing the indices of all of them, so in a "
+        "prompt with two or more images at most one image gets grid positions"
+    )
+
+
+def no_deepstack_dropped(model) -> None:
+    from scripts._lib import control
+
+    image = control.control_prompt("image")
+    with_deepstack = control.one_shot_logits(model, image)
+    indexes = model.vision_tower.deepstack_visual_indexes
+    model.vision_tower.deepstack_visual_indexes = []
+    try:
+        without = control.one_shot_logits(model, image)
+    finally:
+        model.vision_tower.deepstack_visual_indexes = indexes
+    assert not np.array_equal(with_deepstack, without), (
+        "get_input_embeddings keeps mx.eval()'s return value (None) as the deepstack features, so "
+        "they never reach the decoder"
+    )
+
+
+def no_chunked_call_restarts_positions(model, chunk: int = 32) -> None:
+    import mlx.core as mx
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    from scripts._lib import control
+
+    text = control.control_prompt("text_long")
+    whole = control.one_shot_logits(model, text)
+    control.fresh_state(model)
+    cache = make_prompt_cache(model.language_model)
+    ids = text["input_ids"]
+    rows = [
+        np.array(getattr(out, "logits", out)[0].astype(mx.float32))
+        for out in (model(ids[:, a : a + chunk], cache=cache, pixel_values=None) for a in range(0, ids.shape[1], chunk))
+    ]
+    assert np.allclose(np.concatenate(rows), whole, atol=1e-4, rtol=0), (
+        "model(chunk, cache=cache) with a text chunk takes positions from the chunk alone (from 0), "
+        "not from the cache offset"
+    )
+
+
+def control_items(model, folder: Path) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for the control itself and the pin's own qwen3_vl defects."""
+    from scripts._lib import control
+
+    out: List[Tuple[str, Callable[[], None]]] = [
+        (
+            "builds_are_byte_identical_and_a_rebuild_writes_nothing",
+            lambda: builds_are_byte_identical_and_a_rebuild_writes_nothing(folder),
+        ),
+        ("loads_exactly_the_built_weights", lambda: loads_exactly_the_built_weights(model)),
+    ]
+    for case in sorted(control.CASES):
+        out.append((f"case_shapes_and_finite_logits[{case}]", lambda n=case: case_shapes_and_finite_logits(model, n)))
+    for case in ("image", "two_images"):
+        out.append(
+            (
+                f"pixels_reach_the_logits_only_after_the_first_image[{case}]",
+                lambda n=case: pixels_reach_the_logits_only_after_the_first_image(model, n),
+            )
+        )
+    out.append(
+        ("a_picture_patchifies_into_the_grid_it_names", lambda: a_picture_patchifies_into_the_grid_it_names(model))
+    )
+    for case in sorted(control.CASES):
+        out.append((f"greedy_paths_agree[{case}]", lambda n=case: greedy_paths_agree(model, n)))
+    out.append(("positions_of_one_image_follow_the_rule", lambda: positions_of_one_image_follow_the_rule(model)))
+    for check in (no_rope_index_one_image, no_deepstack_dropped, no_chunked_call_restarts_positions):
+        out.append((f"pin_defect_absent[{check.__name__[3:]}]", lambda f=check: f(model)))
+    return out
+
+
+# --------------------------------------------------------------------------- the caller contract
 def items(model, cases) -> List[Tuple[str, Callable[[], None]]]:
     """(item id, its driver call) for every contract item the control can be driven through."""
     from scripts._lib import contract as c
@@ -91,10 +295,11 @@ def survey() -> Dict[str, str]:
     from scripts._lib import contract as c
     from scripts._lib.control import build_control, load_control
 
-    model = load_control(build_control(Path(tempfile.mkdtemp(prefix="control-"))))
+    folder = build_control(Path(tempfile.mkdtemp(prefix="control-")) / "control")
+    model = load_control(folder)
     cases = {name: c.control_case(model, name) for name in ALL}
     result = {}
-    for item, run in items(model, cases):
+    for item, run in control_items(model, folder) + items(model, cases):
         try:
             run()
             result[item] = "pass"
