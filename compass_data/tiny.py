@@ -34,7 +34,7 @@ import pathlib
 import shutil
 import struct
 import zlib
-from typing import Dict, Iterator, Mapping, Tuple
+from typing import Dict, Iterator, List, Mapping, Tuple
 
 import numpy as np
 
@@ -101,6 +101,23 @@ def tokenizer_vocab_size() -> int:
 
 
 # --------------------------------------------------------------------------- configs
+def mrope_parameters(section: List[int], theta: float = 50000.0) -> dict:
+    """The text config's rope_parameters as published: interleaved MRoPE on sliding layers, none on full ones."""
+    sliding = {"rope_type": "default", "rope_theta": theta, "mrope_section": list(section), "mrope_interleaved": True}
+    return {"sliding_attention": sliding, "full_attention": None}
+
+
+def vision_config() -> dict:
+    """The tiny checkpoint's vision_config (without its test-only key)."""
+    return dict(
+        model_type="cohere_compass_vision",
+        **copy.deepcopy(VISION),
+        hidden_act="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+        initializer_range=0.02,
+    )
+
+
 def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
     """The config.json of the tiny checkpoint."""
     _check("variant", variant, VARIANTS)
@@ -114,17 +131,8 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
         max_position_embeddings=4096,
         attention_bias=False,
         attention_dropout=0.0,
-        rope_parameters={
-            "sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": 50000.0,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
-            "full_attention": None,
-            # Stray entry, as in the published hub config; the reference drops it.
-            "rope_theta": 10000.0,
-        },
+        # With a stray entry, as in the published hub config; the reference drops it.
+        rope_parameters=dict(mrope_parameters([4, 2, 2]), rope_theta=10000.0),
         tie_word_embeddings=True,
         use_cache=True,
         initializer_range=0.02,
@@ -133,14 +141,7 @@ def tiny_config(variant: str = "default", dtype: str = "float32") -> dict:
         pad_token_id=pad,
         compass_compat_unknown_text_key="loaders must ignore this",
     )
-    vision = dict(
-        model_type="cohere_compass_vision",
-        **copy.deepcopy(VISION),
-        hidden_act="gelu_pytorch_tanh",
-        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
-        initializer_range=0.02,
-        compass_compat_unknown_vision_key=[1, 2, 3],
-    )
+    vision = dict(vision_config(), compass_compat_unknown_vision_key=[1, 2, 3])
     if variant == "alt_attention":
         text["layer_types"] = list(ALT_ATTENTION_TEXT["layer_types"])
         text["sliding_window"] = ALT_ATTENTION_TEXT["sliding_window"]

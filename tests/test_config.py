@@ -2,23 +2,14 @@
 
 import pytest
 
+from compass_data import tiny
 from tests.lib.reference_head import REFERENCE_HEAD
 from tests.lib.vendored import vendored
 
 cfg = vendored("config")
 
-PUBLISHED_ROPE = {
-    "sliding_attention": {
-        "rope_type": "default",
-        "rope_theta": 50000,
-        "mrope_section": [24, 20, 20],
-        "mrope_interleaved": True,
-    },
-    "full_attention": None,
-    # Stray top-level keys next to per-type entries, as on the hub config: ignored.
-    "rope_theta": 10000,
-    "rope_type": "default",
-}
+# Stray top-level keys next to per-type entries, as on the hub config: ignored.
+PUBLISHED_ROPE = dict(tiny.mrope_parameters([24, 20, 20], theta=50000), rope_theta=10000, rope_type="default")
 
 
 def text(**kw):

@@ -7,6 +7,7 @@ running the reference.
 import numpy as np
 import pytest
 
+from compass_data import tiny
 from tests.lib.vendored import by_path
 
 torch = pytest.importorskip("torch", reason="needs the torch reference (0.7.10 env)")
@@ -22,21 +23,8 @@ TOL = 1e-4
 vision = by_path("vision", "compass_vision_under_test")
 VisionConfig = by_path("config", "compass_vision_under_test").VisionConfig
 
-TINY = dict(
-    depth=4,
-    hidden_size=32,
-    hidden_act="gelu_pytorch_tanh",
-    intermediate_size=64,
-    num_heads=2,
-    in_channels=3,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=64,
-    num_position_embeddings=64,  # an 8x8 table: resampled for every grid below
-    deepstack_visual_indexes=[0, 2, 3],
-    rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
-)
+# The tiny checkpoint's: 64 position embeddings are an 8x8 table, resampled for every grid below.
+TINY = tiny.vision_config()
 
 
 def _reference(**overrides):

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from compass_data.tiny import _SCALES, _uniform_noise, save_safetensors, weights_sha256
+from compass_data.tiny import VISION as TINY_VISION
 from compass_data.weight_tree import weight_tree
 
 MODEL_TYPE = "qwen3_vl"
@@ -55,18 +56,11 @@ TEXT = dict(
     attention_bias=False,
     hidden_act="silu",
 )
+# The tiny cohere_compass tower's sizes (its out_hidden_size is TEXT's hidden_size, 64), two layers.
 VISION = dict(
+    TINY_VISION,
     model_type=MODEL_TYPE,
     depth=2,
-    hidden_size=32,
-    num_heads=2,
-    intermediate_size=64,
-    out_hidden_size=TEXT["hidden_size"],
-    patch_size=16,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    in_channels=3,
-    num_position_embeddings=64,
     deepstack_visual_indexes=[0, 1],
     hidden_act="gelu_pytorch_tanh",
 )

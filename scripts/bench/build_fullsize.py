@@ -55,7 +55,9 @@ VARIANTS = ("bf16", "4bit")
 FORMAT_VERSION = 3  # bump when the weights or config written here change
 GROUP_SIZE, BITS = 64, 4
 
+# The tiny checkpoint's dims with the published sizes (patches, merge, norms and logit scale are the same).
 TEXT = dict(
+    copy.deepcopy(tiny.TEXT),
     hidden_size=2048,
     num_hidden_layers=28,
     num_attention_heads=16,
@@ -65,31 +67,18 @@ TEXT = dict(
     vocab_size=262144,
     sliding_window=4096,
     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 7,
-    logit_scale=0.25,
-    layer_norm_eps=1e-5,
     max_position_embeddings=8192,
 )
-ROPE = {
-    "sliding_attention": {
-        "rope_type": "default",
-        "rope_theta": 50000.0,
-        "mrope_section": [24, 20, 20],
-        "mrope_interleaved": True,
-    },
-    "full_attention": None,
-}
+ROPE = tiny.mrope_parameters([24, 20, 20])
 VISION = dict(
+    copy.deepcopy(tiny.VISION),
     depth=27,
     hidden_size=1152,
     num_heads=16,
     intermediate_size=4304,
-    patch_size=16,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
     out_hidden_size=2048,
     num_position_embeddings=2304,
     deepstack_visual_indexes=[8, 16, 24],
-    in_channels=3,
 )
 # The published preprocessor_config.json values (the default tiny checkpoint's).
 PREPROCESSOR = tiny.tiny_preprocessor_config()
