@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from compass_data import tiny
 from tests.lib.vendored import vendored
 
 cfg = vendored("config")
@@ -61,22 +62,10 @@ def test_window_mask_is_q_minus_w_lt_k_le_q(L, K, window):
             assert got[i, k] == want, (i, k)
 
 
-def _tiny_text(**kw):
-    base = dict(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-            "full_attention": None,
-        },
-    )
-    base.update(kw)
+def _tiny_text():
+    """The tiny checkpoint's text config cut to four layers, sliding (window 4) and full in turn."""
+    layers = ["sliding_attention", "full_attention"] * 2
+    base = dict(tiny.tiny_config()["text_config"], num_hidden_layers=4, layer_types=layers, sliding_window=4)
     return cfg.TextConfig.from_dict(base)
 
 
