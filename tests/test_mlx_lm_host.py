@@ -25,7 +25,7 @@ from scripts._lib.parity import greedy, prefill
 from tests.lib.vendored import PACKAGE, is_vendored_file
 
 TEXT_CASES = ["text_short", "text_medium", "text_long"]
-TOL = 1e-4  # as tests/test_text_parity.py
+TOL = 1e-4  # as tests/test_parity.py
 LM_DIR = compass_compat.vendor_root() / "mlx_lm" / "models"
 LM_PACKAGE = "mlx_lm.models.cohere_compass"
 ENV_ON = os.environ.get(MLX_LM_ENV, "").strip().lower() in {"1", "true", "yes", "on"}

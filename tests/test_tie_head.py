@@ -28,7 +28,7 @@ from tests.lib.vendored import vendored
 
 vendored()
 
-TOL = 1e-4  # as tests/test_text_parity.py
+TOL = 1e-4  # as tests/test_parity.py
 MLX_VLM = version("mlx-vlm")
 COMBOS = sorted(REFERENCE_HEAD, key=str)
 EMBED = {"original": "model.language_model.embed_tokens.weight", "mlx": "language_model.model.embed_tokens.weight"}

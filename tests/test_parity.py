@@ -1,4 +1,5 @@
-"""Image path against transformers' recorded outputs: positions, vision features, logits, greedy ids."""
+"""The model against transformers' recorded outputs on the same tiny weights: text prompts (on
+both key layouts) and image prompts (positions, vision features, logits, greedy ids)."""
 
 import mlx.core as mx
 import numpy as np
@@ -17,15 +18,65 @@ from tests.lib.vendored import vendored
 compass = vendored("cohere_compass")
 positions = vendored("positions")
 
+TEXT_CASES = ["text_short", "text_medium", "text_long"]
 IMAGE_CASES = ["img_448", "img_640x480", "img_501x379", "img_two", "img_middle"]
+LAYOUTS = ["original", "mlx"]
+# (checkpoint layout, case): text cases on both key layouts, image cases on the original one.
+LOGIT_CASES = [(layout, name) for layout in LAYOUTS for name in TEXT_CASES] + [("original", n) for n in IMAGE_CASES]
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
+def models(tiny_ckpt_original, tiny_ckpt_mlx):
+    """The tiny checkpoint loaded per key layout (each once)."""
     from mlx_vlm.utils import load_model
 
-    return load_model(tiny_ckpt_original)
+    paths = {"original": tiny_ckpt_original, "mlx": tiny_ckpt_mlx}
+    loaded = {}
+
+    def get(layout: str):
+        if layout not in loaded:
+            loaded[layout] = load_model(paths[layout])
+        return loaded[layout]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models("original")
+
+
+@pytest.mark.parametrize("layout, name", LOGIT_CASES)
+def test_prefill_logits_match_reference(models, reference, layout, name):
+    assert_prefill_matches(models(layout), reference(name), name, TOL)
+
+
+@pytest.mark.parametrize("layout, name", LOGIT_CASES)
+def test_decode_steps_match_reference(models, reference, layout, name):
+    assert_decode_steps_match(models(layout), reference(name), name, TOL)
+
+
+@pytest.mark.parametrize("layout, name", LOGIT_CASES)
+def test_free_running_greedy_ids_match_reference(models, reference, layout, name):
+    case = reference(name)
+    assert greedy(models(layout), case, len(case["greedy_ids"])) == case["greedy_ids"].tolist()
+
+
+@pytest.mark.parametrize("chunk", [7, 24])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunked_prefill_equals_one_shot(models, reference, layout, chunk):
+    case = reference("text_long")
+    one = prefill(models(layout), case)
+    chunked = chunked_prefill(models(layout), case, chunk)
+    assert mx.abs(one - chunked).max().item() < 1e-5
+
+
+def test_long_prompt_exceeds_three_windows(reference, tiny_ckpt_original):
+    import json
+
+    window = json.loads((tiny_ckpt_original / "config.json").read_text())["text_config"]["sliding_window"]
+    assert reference("text_long")["input_ids"].shape[1] >= 3 * window
 
 
 @pytest.mark.parametrize("name", IMAGE_CASES)
@@ -54,18 +105,6 @@ def test_vision_and_deepstack_features_match_reference(model, reference, name):
     for k in range(ref_ds.shape[0]):
         d = np.abs(parts[1 + k] - ref_ds[k]).max()
         assert d < TOL, f"deepstack {k} off by {d:.3g}"
-
-
-@pytest.mark.parametrize("name", IMAGE_CASES)
-def test_prefill_logits_match_reference(model, reference, name):
-    assert_prefill_matches(model, reference(name), name, TOL)
-
-
-@pytest.mark.parametrize("name", IMAGE_CASES)
-def test_decode_steps_and_greedy_ids_match_reference(model, reference, name):
-    case = reference(name)
-    assert_decode_steps_match(model, case, name, TOL)
-    assert greedy(model, case, len(case["greedy_ids"])) == case["greedy_ids"].tolist()
 
 
 def test_chunk_boundary_inside_image_pads_equals_one_shot(model, reference):
