@@ -30,7 +30,6 @@ import functools
 import json
 import pathlib
 import re
-import shutil
 from importlib.metadata import version
 
 import mlx.core as mx
@@ -42,6 +41,7 @@ import compass_compat
 from compass_compat import probes
 from compass_compat.checkpoint_checks import CheckpointError
 from compass_data.tiny import build_tiny_checkpoint
+from tests.lib.checkpoints import dequantized_checkpoint, quantization_mode, quantization_params, read_weights
 
 PIN = version("mlx-vlm")
 TOL = 1e-4  # quantized vs its own dequantized weights: the same products, another order at most
@@ -195,53 +195,6 @@ def logits(who: str, model) -> list:
     return [one_shot_logits(model, case) for case in _cases(who)]
 
 
-def _weights(folder: pathlib.Path) -> dict:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(mx.load(str(f)))
-    return out
-
-
-def _params(quantization: dict, path: str) -> dict:
-    entry = quantization.get(path)
-    return entry if isinstance(entry, dict) else quantization
-
-
-def _mode(weights: dict, quantization: dict, path: str) -> str:
-    # Affine is the one mode that stores biases; a per-layer entry may omit the mode.
-    return "affine" if f"{path}.biases" in weights else _params(quantization, path).get("mode", "affine")
-
-
-def dequantized_folder(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """The same checkpoint unquantized: mx.dequantize of each stored weight, in its own dtype."""
-    shutil.copytree(quantized, out)
-    config = json.loads((quantized / "config.json").read_text())
-    quantization = config.pop("quantization")
-    config.pop("quantization_config", None)
-    weights = _weights(quantized)
-    dense = {}
-    for key, value in weights.items():
-        if key.endswith((".scales", ".biases")):
-            continue
-        path = key[: -len(".weight")]
-        if key.endswith(".weight") and f"{path}.scales" in weights:
-            params = _params(quantization, path)
-            value = mx.dequantize(
-                value,
-                weights[f"{path}.scales"],
-                weights.get(f"{path}.biases"),
-                group_size=params["group_size"],
-                bits=params["bits"],
-                mode=_mode(weights, quantization, path),
-            )
-        dense[key] = value
-    for f in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        f.unlink()
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(out / "model.safetensors"), dense, metadata={"format": "mlx"})
-    return out
-
-
 def refused_here(recipe: str) -> bool:
     """What compass-compat's checkpoint checks refuse on this install (the probes' verdicts)."""
     if recipe not in FP_MODES:
@@ -288,14 +241,14 @@ def test_stored_weights_are_the_recipes(converted, sources, who, recipe):
     folder, _ = converted(who, recipe)
     config = json.loads((folder / "config.json").read_text())
     quantization = config["quantization"]
-    weights = _weights(folder)
+    weights = read_weights(folder)
     stored = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     want = expected_bits(who, recipe)
     assert stored == set(want), f"quantized {sorted(stored ^ set(want))[:6]} against the recipe"
     dense = float_weights(who, sources[who])
     for path, (group, bits, mode) in want.items():
-        params = _params(quantization, path)
-        got_mode = _mode(weights, quantization, path)
+        params = quantization_params(quantization, path)
+        got_mode = quantization_mode(weights, quantization, path)
         assert (params["group_size"], params["bits"], got_mode) == (group, bits, mode), path
         q = mx.quantize(dense[f"{path}.weight"], group_size=group, bits=bits, mode=mode)
         assert mx.array_equal(weights[f"{path}.weight"], q[0]).item(), path
@@ -318,7 +271,7 @@ def test_converted_model_answers_as_its_weights(converted, tmp_path, who, recipe
         print(f"\n[recipes] {PIN} {subject} {recipe}: refused by name: {str(info.value)[:160]}")
         return
     got = logits(who, _load(folder))
-    want = logits(who, _load(dequantized_folder(folder, tmp_path / "dense")))
+    want = logits(who, _load(dequantized_checkpoint(folder, tmp_path / "dense")))
     if subject == "upstream" and recipe in FP_MODES and mx.default_device() == mx.cpu:
         # The peer's known defect (measured on 0.7.10): it feeds bfloat16 activations to MLX's CPU
         # fp-mode quantized_matmul, which is off by ~1% of its output (3-4 bfloat16 ulps; the
@@ -347,7 +300,7 @@ def test_awq_keeps_the_function_and_scales_what_the_model_offers(converted, sour
     drift = {}
     for recipe in ("rtn_q8", "awq_q8"):
         folder, printed = converted(who, recipe)
-        dense = logits(who, _load(dequantized_folder(folder, tmp_path / recipe)))
+        dense = logits(who, _load(dequantized_checkpoint(folder, tmp_path / recipe)))
         drift[recipe] = max(float(np.abs(d - b).max()) for d, b in zip(dense, base))
     summary = re.search(r"AWQ scaling applied: (\{.*\})", converted(who, "awq_q8")[1])
     applied = json.loads(summary.group(1).replace("'", '"')) if summary else None
@@ -377,8 +330,8 @@ def test_the_awq_check_catches_a_fold_into_the_shared_norm(converted, sources, t
     )
     folder, printed = converted("ours", "awq_q8_shared_norm")
     base = logits("ours", _load(sources["ours"]))
-    rtn = logits("ours", _load(dequantized_folder(converted("ours", "rtn_q8")[0], tmp_path / "rtn")))
-    bad = logits("ours", _load(dequantized_folder(folder, tmp_path / "bad")))
+    rtn = logits("ours", _load(dequantized_checkpoint(converted("ours", "rtn_q8")[0], tmp_path / "rtn")))
+    bad = logits("ours", _load(dequantized_checkpoint(folder, tmp_path / "bad")))
     rtn_drift = max(float(np.abs(d - b).max()) for d, b in zip(rtn, base))
     bad_drift = max(float(np.abs(d - b).max()) for d, b in zip(bad, base))
     print(f"\n[recipes] {PIN} AWQ folded into the shared norm: drift {bad_drift:.3g} against RTN's {rtn_drift:.3g}")

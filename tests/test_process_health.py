@@ -7,6 +7,7 @@ text request is also the recorded transformers reference).
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -62,12 +63,9 @@ def streams_belong_to_their_thread() -> bool:
     return bool(errors)
 
 
-def mlx_vlm_stream_is_thread_local() -> bool:
-    """Whether mlx-vlm makes its generation stream with ``mx.new_thread_local_stream`` (0.6 on; 0.3.9
-    and 0.4.4 make one module-level ``mx.new_stream`` at import): the hook looked for is that call in
-    the source of the module defining ``generation_stream``."""
+def generation_module():
+    """The mlx-vlm module that defines ``generation_stream`` (also shipped to THREADS_SCRIPT)."""
     import importlib
-    import inspect
 
     for name in ("mlx_vlm.generate.common", "mlx_vlm.generate"):
         try:
@@ -75,8 +73,18 @@ def mlx_vlm_stream_is_thread_local() -> bool:
         except ImportError:
             continue
         if hasattr(module, "generation_stream"):
-            return "new_thread_local_stream" in inspect.getsource(module)
-    return False
+            return module
+    raise RuntimeError("mlx-vlm has no generation_stream")
+
+
+def mlx_vlm_stream_is_thread_local() -> bool:
+    """Whether mlx-vlm makes its generation stream with ``mx.new_thread_local_stream`` (0.6 on; 0.3.9
+    and 0.4.4 make one module-level ``mx.new_stream`` at import): the hook looked for is that call in
+    the source of the module defining ``generation_stream``."""
+    try:
+        return "new_thread_local_stream" in inspect.getsource(generation_module())
+    except RuntimeError:
+        return False
 
 
 # Without per-thread streams, threads evaluating at once crash the process: mlx 0.30 (the 0.3.9
@@ -272,7 +280,7 @@ def test_two_checkpoints_in_one_process_generate_independently(tiny_ckpt_origina
 
 # ---------------------------------------------------------------- threads
 
-THREADS_SCRIPT = textwrap.dedent(
+THREADS_SCRIPT = inspect.getsource(generation_module) + textwrap.dedent(
     """
     import gc, importlib, json, os, sys, threading
     import mlx.core as mx
@@ -283,23 +291,13 @@ THREADS_SCRIPT = textwrap.dedent(
     folder, requests, tokens, rounds = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     concurrent = sys.argv[5] == "1"
 
-    def generation_stream():
-        for name in ("mlx_vlm.generate.common", "mlx_vlm.generate"):
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(module, "generation_stream"):
-                return module.generation_stream
-        raise RuntimeError("mlx-vlm has no generation_stream")
-
     def probe():
         # mlx-vlm 0.3.9/0.4.4 create their generation stream once, at import, with
         # mx.new_stream; with mlx >= 0.31 streams belong to the thread that made them.
         errors = []
         def run():
             try:
-                with mx.stream(generation_stream()):
+                with mx.stream(generation_module().generation_stream):
                     mx.eval(mx.zeros(2) + 1)
             except RuntimeError as err:
                 errors.append(str(err))

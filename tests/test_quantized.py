@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
-import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from scripts._lib.parity import prefill
+from tests.lib.checkpoints import dequantized_checkpoint, read_weights
 from tests.lib.vendored import vendored
 
 vendored()
@@ -88,43 +88,6 @@ def load(path):
     return mlx_vlm_load(str(path))
 
 
-def read_weights(path: pathlib.Path) -> dict:
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
-
-
-def dequantized_checkpoint(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """A float32 checkpoint folder holding mx.dequantize of every quantized weight."""
-    config = json.loads((quantized / "config.json").read_text())
-    q = config.pop("quantization")
-    config.pop("quantization_config", None)
-    weights = read_weights(quantized)
-    dense = {}
-    for key, value in weights.items():
-        if key.endswith((".scales", ".biases")):
-            continue
-        prefix = key[: -len(".weight")] if key.endswith(".weight") else None
-        if prefix is not None and f"{prefix}.scales" in weights:
-            value = mx.dequantize(
-                value,
-                weights[f"{prefix}.scales"],
-                weights[f"{prefix}.biases"],
-                group_size=q["group_size"],
-                bits=q["bits"],
-            )
-        dense[key] = value.astype(mx.float32)
-    out.mkdir(parents=True)
-    for f in quantized.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, out / f.name)
-    config["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(out / "model.safetensors"), dense, metadata={"format": "mlx"})
-    return out
-
-
 def quantized_prefixes(path: pathlib.Path) -> set:
     return {k[: -len(".scales")] for k in read_weights(path) if k.endswith(".scales")}
 
@@ -152,7 +115,7 @@ def test_converter_quantizes_text_linears_and_embedding_not_vision(converted, bi
 def dequantized(converted, tmp_path_factory):
     """{bits: float32 checkpoint of the dequantized q{bits} weights}."""
     return {
-        bits: dequantized_checkpoint(converted[f"q{bits}"], tmp_path_factory.mktemp(f"dense{bits}") / "m")
+        bits: dequantized_checkpoint(converted[f"q{bits}"], tmp_path_factory.mktemp(f"dense{bits}") / "m", float32=True)
         for bits in (4, 8)
     }
 

@@ -106,31 +106,24 @@ def sse_events(raw: bytes) -> List[dict]:
 # ------------------------------------------------------------- request bodies per route
 
 
+def greedy_body(model: str, stream: bool, **route_fields: object) -> dict:
+    """The fields every route's body shares (greedy), then the route's own (its max-tokens name among them)."""
+    return {"model": model, "temperature": 0.0, "stream": stream, **route_fields}
+
+
 def messages_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
     content: object = prompt
     if image_b64:
         source = {"type": "base64", "media_type": "image/png", "data": image_b64}
         content = [{"type": "image", "source": source}, {"type": "text", "text": prompt}]
-    return {
-        "model": model,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "stream": stream,
-        "messages": [{"role": "user", "content": content}],
-    }
+    return greedy_body(model, stream, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": content}])
 
 
 def responses_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
     parts = [{"type": "input_text", "text": prompt}]
     if image_b64:
         parts.insert(0, {"type": "input_image", "image_url": "data:image/png;base64," + image_b64})
-    return {
-        "model": model,
-        "max_output_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "stream": stream,
-        "input": [{"role": "user", "content": parts}],
-    }
+    return greedy_body(model, stream, max_output_tokens=MAX_TOKENS, input=[{"role": "user", "content": parts}])
 
 
 def messages_text(raw: bytes) -> str:

@@ -52,30 +52,22 @@ TAG = "BENCH-JSON "
 # Counts. "issue": what the issue asks for. "cpu": scaled so one run fits about 30 minutes on
 # a 2-core x86 CPU, where MLX's CPU kernels do ~1-3 GFLOP/s (a 512-token prefill alone would
 # take ~7 minutes per implementation, upstream's 4-bit path ~20 s per token).
+ISSUE = dict(
+    prompt=512,
+    decode=64,
+    prompt_4bit=512,
+    decode_4bit=64,
+    vision_sizes=[448, 896],
+    vision_blocks=0,
+    ttft_image=896,
+    runs=5,
+    image_runs=5,
+    load_runs=3,
+)
 PRESETS = {
-    "issue": dict(
-        prompt=512,
-        decode=64,
-        prompt_4bit=512,
-        decode_4bit=64,
-        vision_sizes=[448, 896],
-        vision_blocks=0,
-        ttft_image=896,
-        runs=5,
-        image_runs=5,
-        load_runs=3,
-    ),
+    "issue": ISSUE,
     "cpu": dict(
-        prompt=12,
-        decode=6,
-        prompt_4bit=3,
-        decode_4bit=2,
-        vision_sizes=[448, 896],
-        vision_blocks=1,
-        ttft_image=128,
-        runs=3,
-        image_runs=2,
-        load_runs=3,
+        ISSUE, prompt=12, decode=6, prompt_4bit=3, decode_4bit=2, vision_blocks=1, ttft_image=128, runs=3, image_runs=2
     ),
 }
 

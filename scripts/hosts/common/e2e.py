@@ -101,13 +101,13 @@ class Host:
     label: str  # e.g. "LM Studio's engine (mlx-engine 08f0c07)"
     distributions: List[str]  # reported versions
     command: Callable[[Path, int], List[str]]  # (model dir, port) -> argv
-    ready_path: str  # GET path that answers 200 once the model is loaded
     # Built after --source is on sys.path: the request set names files of the package it tests.
     phases: Callable[[], List[Phase]]
+    ready_path: str = "/v1/models"  # GET path that answers 200 once the model is loaded
+    ready_check: Optional[Callable[[Any], Optional[str]]] = None  # JSON -> error or None (default: lists_model)
     headers: Dict[str, str] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)
     body: Optional[Callable[[Dict[str, Any], Case], Dict[str, Any]]] = None  # host tweaks
-    ready_check: Optional[Callable[[Any], Optional[str]]] = None  # JSON -> error or None
     stream_only: bool = False
     trimmed_ok: bool = False  # the host strips surrounding whitespace of non-streamed replies
     log_notes: Optional[Callable[[str], List[str]]] = None  # server log segment -> notes per request
@@ -139,7 +139,7 @@ def demo_image() -> str:
 
 
 def standard_cases() -> List[Case]:
-    """The request set every host gets (oMLX's set, less its video request, plus two)."""
+    """The request set every host gets (oMLX: less g and h, plus its video request)."""
     demo = demo_image()
     return [
         Case("a", [demo], "Describe this picture.", "image + text"),
@@ -351,7 +351,7 @@ def wait_ready(host: Host, server: Process, base_url: str, timeout: float) -> fl
             raise RuntimeError(f"the server exited with {server.proc.returncode} before it was ready")
         try:
             reply = http_get_json(base_url + host.ready_path, host.headers, 3)
-            problem = host.ready_check(reply) if host.ready_check else None
+            problem = (host.ready_check or lists_model)(reply)
             if problem is None:
                 return time.monotonic() - start
             last = problem

@@ -31,7 +31,6 @@ from scripts.hosts.common.e2e import (  # noqa: E402
     Host,
     Phase,
     console_script,
-    lists_model,
     main,
     standard_cases,
 )
@@ -47,8 +46,6 @@ HOST = Host(
     label="vMLX 1.6.81",
     distributions=["vmlx", "mlx", "mlx-vlm", "mlx-lm", "transformers", "torch"],
     command=command,
-    ready_path="/v1/models",
-    ready_check=lists_model,
     env={"VMLX_GPU_KEEPALIVE": "0"},
     phases=lambda: [
         Phase("default", standard_cases(), note="vMLX's defaults"),
