@@ -1,4 +1,4 @@
-"""mlx-vlm's server routes beyond chat completions, with this model and with the control.
+"""mlx-vlm's server routes beyond chat completions, with this model.
 
 Each route is probed on the running server (a route the pin lacks answers 404), never read from
 the version number:
@@ -8,22 +8,17 @@ the version number:
 - ``/v1/embeddings`` (0.6 and later): the pin serves ``text_embeds`` from a model's output, which
   only its embedding models produce; a generative VLM is refused by the pin by name (400), for
   text and for a picture. The same verdict in-process through the pin's own embedding loader and
-  call (``mlx_vlm.embedding_loader.load_embedding_model``; ``model(ids, attention_mask=)``), for
-  ours and for the control.
+  call (``mlx_vlm.embedding_loader.load_embedding_model``; ``model(ids, attention_mask=)``).
 
-The control (mlx-vlm's own ``qwen3_vl``, scripts/_lib/control.py) has no tokenizer files: 0.3.x's
-server exits at startup (it cannot load the processor); later pins give it a Qwen processor whose
-empty tokenizer turns every prompt into zero tokens, so its requests fail inside the pin
-(asserted here) and say nothing about a route.
+The control (mlx-vlm's own ``qwen3_vl``) through these routes and the embedding call monitors the
+pin: the pin-bump survey holds it (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import pytest
 
@@ -31,7 +26,17 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
-from scripts._lib.server import MAX_TOKENS, REQUEST_TIMEOUT, Server, reply_text, serving  # noqa: E402
+from scripts._lib.server import (  # noqa: E402
+    MAX_TOKENS,
+    ROUTE_PATHS,
+    Server,
+    has_route,
+    messages_body,
+    reply_text,
+    responses_body,
+    send,
+    serving,
+)
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
 
 TEXT_PROMPT = "Hello there"
@@ -39,7 +44,6 @@ IMAGE_PROMPT = "Describe the image."
 # The pin's own refusals (mlx_vlm/server/embeddings.py, 0.6.12 and 0.7.10).
 NO_TEXT_EMBEDDINGS = "The loaded model does not produce embeddings."
 NO_IMAGE_EMBEDDINGS = "The loaded embedding model does not support image inputs."
-CONTROL_TIMEOUT = 15  # seconds; its zero-token prompt fails at once, or never answers
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +59,10 @@ def image_b64(image) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_ckpt_original, control_ckpt, tmp_path_factory):
-    """Ours and the control's servers, started at once; stopped at the end."""
-    logs = tmp_path_factory.mktemp("route_logs")
-    started = {
-        "ours": Server(tiny_ckpt_original, logs / "ours.log"),
-        "control": Server(control_ckpt, logs / "control.log"),
-    }
-    # The control's may exit at start-up: 0.3.x loads the model and its processor before serving,
-    # and the control has no processor files.
-    with serving(started, may_exit=("control",)):
+def servers(tiny_ckpt_original, tmp_path_factory):
+    """Our server; stopped at the end."""
+    started = {"ours": Server(tiny_ckpt_original, tmp_path_factory.mktemp("route_logs") / "ours.log")}
+    with serving(started):
         yield started
 
 
@@ -75,21 +73,6 @@ def cli_texts(tiny_ckpt_original, image) -> dict:
         "text": greedy_cli_output(tiny_ckpt_original, TEXT_PROMPT, MAX_TOKENS).rstrip("\n"),
         "image": greedy_cli_output(tiny_ckpt_original, IMAGE_PROMPT, MAX_TOKENS, image).rstrip("\n"),
     }
-
-
-def send(server: Server, route: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> Tuple[int, bytes]:
-    """(status, raw body) of one POST."""
-    try:
-        with urllib.request.urlopen(server.request(body, route), timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
-def has_route(server: Server, route: str) -> bool:
-    """An empty body: FastAPI answers 404 for a route the app lacks, 422 (or the handler's own
-    error) for one it has."""
-    return send(server, route, {})[0] != 404
 
 
 def sse_events(raw: bytes) -> List[dict]:
@@ -104,26 +87,6 @@ def sse_events(raw: bytes) -> List[dict]:
 
 
 # ------------------------------------------------------------- request bodies per route
-
-
-def greedy_body(model: str, stream: bool, **route_fields: object) -> dict:
-    """The fields every route's body shares (greedy), then the route's own (its max-tokens name among them)."""
-    return {"model": model, "temperature": 0.0, "stream": stream, **route_fields}
-
-
-def messages_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
-    content: object = prompt
-    if image_b64:
-        source = {"type": "base64", "media_type": "image/png", "data": image_b64}
-        content = [{"type": "image", "source": source}, {"type": "text", "text": prompt}]
-    return greedy_body(model, stream, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": content}])
-
-
-def responses_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
-    parts = [{"type": "input_text", "text": prompt}]
-    if image_b64:
-        parts.insert(0, {"type": "input_image", "image_url": "data:image/png;base64," + image_b64})
-    return greedy_body(model, stream, max_output_tokens=MAX_TOKENS, input=[{"role": "user", "content": parts}])
 
 
 def messages_text(raw: bytes) -> str:
@@ -156,8 +119,8 @@ def responses_stream_text(raw: bytes) -> str:
 
 ROUTES = {
     # name: (routes to try, first found wins; body builder; reader; streamed reader)
-    "messages": (("/v1/messages",), messages_body, messages_text, messages_stream_text),
-    "responses": (("/v1/responses", "/responses"), responses_body, responses_text, responses_stream_text),
+    "messages": (ROUTE_PATHS["messages"], messages_body, messages_text, messages_stream_text),
+    "responses": (ROUTE_PATHS["responses"], responses_body, responses_text, responses_stream_text),
 }
 
 
@@ -212,47 +175,17 @@ def test_embeddings_refuse_this_model_by_name(servers, image_b64):
     assert status == 200 and read(raw).strip(), f"after the refusals: {status} {raw[:400]!r}"
 
 
-@pytest.mark.parametrize("which", ["ours", "control"])
-def test_the_pins_embedding_call_gives_no_text_embeds(tiny_ckpt_original, control_ckpt, which):
+def test_the_pins_embedding_call_gives_no_text_embeds(tiny_ckpt_original):
     """What the route runs after tokenizing, in-process: the pin's embedding loader, then
-    ``model(input_ids, attention_mask=)``. A generative VLM (ours, and the pin's own qwen3_vl)
-    has no ``text_embeds`` in its output, which is what the route's refusal reads."""
+    ``model(input_ids, attention_mask=)``. A generative VLM (ours; the pin's own qwen3_vl in the
+    control survey) has no ``text_embeds`` in its output, which is what the route's refusal reads."""
     pytest.importorskip("mlx_vlm.embedding_loader", reason="this mlx-vlm has no embedding loader (no embeddings)")
     import mlx.core as mx
     from mlx_vlm.embedding_loader import load_embedding_model
 
-    path = tiny_ckpt_original if which == "ours" else control_ckpt
-    model = load_embedding_model(Path(path))
+    model = load_embedding_model(Path(tiny_ckpt_original))
     ids = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
     out = model(ids, attention_mask=mx.ones(ids.shape, dtype=mx.int32))
     logits = getattr(out, "logits", out)
     assert logits.shape[:2] == (1, 4)  # it ran: a generation output, one row per token
     assert getattr(out, "text_embeds", None) is None
-
-
-# ------------------------------------------------------------- the control
-
-
-@pytest.mark.parametrize("name", sorted(ROUTES))
-def test_control_cannot_be_asked_through_the_routes(servers, name):
-    """The control has no processor files: its server exits at startup (0.3.x), or starts with a
-    processor of no vocabulary and the request fails in the pin (an error status, an error in place of the text, or no answer at all: 0.6.12's request
-    waits forever once its generation thread has failed), never an answer to compare."""
-    server = servers["control"]
-    if server.proc.poll() is not None:
-        assert "Can't load image processor" in server.tail(400), server.tail()
-        return
-    route = found_route(server, name)
-    _, build, read, _ = ROUTES[name]
-    try:
-        status, raw = send(server, route, build(server.model, TEXT_PROMPT), timeout=CONTROL_TIMEOUT)
-    except TimeoutError:
-        status, raw = 0, b""
-    if status == 200:
-        try:
-            text = read(raw)
-        except (KeyError, ValueError, AssertionError, TypeError):
-            text = ""
-        assert not text.strip(), f"the control answered {text!r}: it has a tokenizer now; compare it"
-    log = server.tail(400)
-    assert "prompt_tokens=0" in log or "size 0" in log or status >= 400, log

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx_vlm
 from packaging.version import Version
@@ -215,3 +215,45 @@ def reply_text(body: dict) -> str:
 
 def data_uri(raw: bytes, media: str = "image/png") -> str:
     return f"data:{media};base64," + base64.b64encode(raw).decode("ascii")
+
+
+# --------------------------------------------------------------------------- routes beyond chat completions
+# Where each route may be, first found wins (a route the pin lacks answers 404).
+ROUTE_PATHS = {"messages": ("/v1/messages",), "responses": ("/v1/responses", "/responses")}
+
+
+def send(server: Server, route: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> Tuple[int, bytes]:
+    """(status, raw body) of one POST."""
+    try:
+        with urllib.request.urlopen(server.request(body, route), timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def has_route(server: Server, route: str) -> bool:
+    """An empty body: FastAPI answers 404 for a route the app lacks, 422 (or the handler's own
+    error) for one it has."""
+    return send(server, route, {})[0] != 404
+
+
+def greedy_body(model: str, stream: bool, **route_fields: object) -> dict:
+    """The fields every route's body shares (greedy), then the route's own (its max-tokens name among them)."""
+    return {"model": model, "temperature": 0.0, "stream": stream, **route_fields}
+
+
+def messages_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
+    """An Anthropic-style /v1/messages request."""
+    content: object = prompt
+    if image_b64:
+        source = {"type": "base64", "media_type": "image/png", "data": image_b64}
+        content = [{"type": "image", "source": source}, {"type": "text", "text": prompt}]
+    return greedy_body(model, stream, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": content}])
+
+
+def responses_body(model: str, prompt: str, image_b64: str = "", stream: bool = False) -> dict:
+    """A responses-route request."""
+    parts = [{"type": "input_text", "text": prompt}]
+    if image_b64:
+        parts.insert(0, {"type": "input_image", "image_url": "data:image/png;base64," + image_b64})
+    return greedy_body(model, stream, max_output_tokens=MAX_TOKENS, input=[{"role": "user", "content": parts}])

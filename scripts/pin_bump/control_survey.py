@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import sys
 import tempfile
@@ -31,6 +32,8 @@ EXPECTED = Path(__file__).resolve().parent / "control_expected.json"
 ALL = ["text_short", "text_long", "image", "two_images"]
 TEXT = ["text_short", "text_long"]
 STEPS = 6
+TEXT_PROMPT = "Hello there"
+CONTROL_TIMEOUT = 15  # seconds; the control's zero-token prompt fails at once, or never answers
 
 
 # --------------------------------------------------------------------------- the control itself
@@ -200,6 +203,71 @@ def no_chunked_call_restarts_positions(model, chunk: int = 32) -> None:
     )
 
 
+# --------------------------------------------------------------------------- the pin's server and embedding call
+def embedding_call_gives_no_text_embeds(folder: Path) -> None:
+    """The pin's embedding loader and call on a generative VLM: no ``text_embeds`` (what /v1/embeddings refuses on)."""
+    import mlx.core as mx
+    from mlx_vlm.embedding_loader import load_embedding_model
+
+    model = load_embedding_model(folder)
+    ids = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
+    out = model(ids, attention_mask=mx.ones(ids.shape, dtype=mx.int32))
+    assert getattr(out, "logits", out).shape[:2] == (1, 4)  # it ran: a generation output, one row per token
+    assert getattr(out, "text_embeds", None) is None
+
+
+def _answer_text(raw: bytes) -> str:
+    """The text of a messages or responses reply ("" when it holds none)."""
+    from scripts._lib.server import reply_text
+
+    try:
+        body = json.loads(raw)
+        if body.get("type") == "message":
+            return "".join(part["text"] for part in body["content"] if part["type"] == "text")
+        return reply_text(body)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return ""
+
+
+def routes_cannot_ask_the_control(server, name: str) -> None:
+    """The control has no processor files: its server exits at startup (0.3.x), or starts with a
+    processor of no vocabulary and the request fails in the pin (an error status, an error in place
+    of the text, or no answer at all: 0.6.12's request waits forever once its generation thread has
+    failed), never an answer to compare. A pin without the route has nothing to ask."""
+    from scripts._lib.server import ROUTE_PATHS, has_route, messages_body, responses_body, send
+
+    if not server.came_up():
+        assert "Can't load image processor" in server.tail(400), server.tail()
+        return
+    routes = [route for route in ROUTE_PATHS[name] if has_route(server, route)]
+    if not routes:
+        return
+    build = messages_body if name == "messages" else responses_body
+    try:
+        status, raw = send(server, routes[0], build(server.model, TEXT_PROMPT), timeout=CONTROL_TIMEOUT)
+    except TimeoutError:
+        status, raw = 0, b""
+    text = _answer_text(raw) if status == 200 else ""
+    assert not text.strip(), f"the control answered {text!r}: it has a tokenizer now; compare it"
+    log = server.tail(400)
+    assert "prompt_tokens=0" in log or "size 0" in log or status >= 400, log
+
+
+def server_items(folder: Path, server) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for the pin's server routes and embedding call on the control, where the pin has them."""
+    from scripts._lib.server import ROUTE_PATHS
+
+    out: List[Tuple[str, Callable[[], None]]] = []
+    if importlib.util.find_spec("mlx_vlm.embedding_loader") is not None:
+        out.append(("embedding_call_gives_no_text_embeds", lambda: embedding_call_gives_no_text_embeds(folder)))
+    if server is not None:
+        for name in sorted(ROUTE_PATHS):
+            out.append(
+                (f"routes_cannot_ask_the_control[{name}]", lambda n=name: routes_cannot_ask_the_control(server, n))
+            )
+    return out
+
+
 def control_items(model, folder: Path) -> List[Tuple[str, Callable[[], None]]]:
     """(item id, its check) for the control itself and the pin's own qwen3_vl defects."""
     from scripts._lib import control
@@ -296,15 +364,24 @@ def survey() -> Dict[str, str]:
     from scripts._lib.control import build_control, load_control
 
     folder = build_control(Path(tempfile.mkdtemp(prefix="control-")) / "control")
+    server = None
+    if importlib.util.find_spec("uvicorn") is not None:  # mlx-vlm's server; it starts beside the checks below
+        from scripts._lib.server import Server
+
+        server = Server(folder, folder.parent / "server.log")
     model = load_control(folder)
     cases = {name: c.control_case(model, name) for name in ALL}
     result = {}
-    for item, run in control_items(model, folder) + items(model, cases):
-        try:
-            run()
-            result[item] = "pass"
-        except Exception as err:  # a failed check or the control's own error: both are its failure
-            result[item] = f"fail: {type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:200]
+    try:
+        for item, run in control_items(model, folder) + items(model, cases) + server_items(folder, server):
+            try:
+                run()
+                result[item] = "pass"
+            except Exception as err:  # a failed check or the control's own error: both are its failure
+                result[item] = f"fail: {type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:200]
+    finally:
+        if server is not None:
+            server.stop()
     return result
 
 
