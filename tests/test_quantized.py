@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from scripts._lib.parity import prefill
-from tests.lib.checkpoints import dequantized_checkpoint, read_weights
+from scripts._lib.recipes import dequantized_checkpoint, read_weights
 from tests.lib.vendored import vendored
 
 vendored()

@@ -18,6 +18,7 @@ differ or the release has no record.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -268,6 +269,80 @@ def server_items(folder: Path, server) -> List[Tuple[str, Callable[[], None]]]:
     return out
 
 
+# --------------------------------------------------------------------------- the pin's conversion recipes
+# The recipe rule's high layers for the control's 3 (scripts/_lib/recipes.py has the rule), its
+# untied head, and the AWQ groups its layers offer (RMSNorms, GQA: q/k/v, gate/up and down_proj).
+CONTROL_HIGH_LAYERS = {2}
+CONTROL_HEADS = ("language_model.lm_head",)
+CONTROL_AWQ = {"layers": 3, "groups": 9}
+
+
+class _StubTokenizer:
+    """The control has no tokenizer files; AWQ's text calibration only encodes its sentences."""
+
+    def encode(self, text: str) -> list:
+        return [1 + byte % 239 for byte in text.encode()][:48]
+
+
+class _StubProcessor:
+    tokenizer = _StubTokenizer()
+
+    def save_pretrained(self, path) -> None:
+        pass
+
+
+def recipe_items(folder: Path) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for every conversion recipe the pin's converter offers, on the control:
+    it stores the recipe's rule, and computes what its stored weights say (as the suite checks ours)."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+
+    from scripts._lib import control
+    from scripts._lib import recipes as r
+
+    work = folder.parent / "recipes"
+    prompts = [control.control_prompt("text_long"), control.control_prompt("image")]
+
+    @functools.lru_cache(maxsize=None)
+    def converted(recipe: str) -> Tuple[Path, str]:
+        return work / recipe, r.convert_with_pin(folder, work / recipe, recipe, _StubProcessor())
+
+    def logits(path: Path) -> list:
+        model = load_model(path)
+        return [control.one_shot_logits(model, inputs) for inputs in prompts]
+
+    def dense(recipe: str) -> list:
+        return logits(r.dequantized_checkpoint(converted(recipe)[0], work / f"{recipe}-dense"))
+
+    def stores_the_rule(recipe: str) -> None:
+        want = r.expected_bits(recipe, control.TEXT["num_hidden_layers"], CONTROL_HIGH_LAYERS, CONTROL_HEADS)
+        r.assert_stored_as_the_rule(converted(recipe)[0], dict(tree_flatten(load_model(folder).parameters())), want)
+
+    def answers_as_its_weights(recipe: str) -> None:
+        for got, want in zip(logits(converted(recipe)[0]), dense(recipe)):
+            diff = float(np.abs(got - want).max())
+            assert diff <= r.tolerance(recipe, want), (
+                f"{recipe}: the converted model computes other logits ({diff:.3g})"
+            )
+
+    def awq_keeps_the_function() -> None:
+        base = logits(folder)
+        applied = r.awq_applied(converted("awq_q8")[1])
+        assert applied == CONTROL_AWQ, f"AWQ scaled {applied}, the control's layers offer {CONTROL_AWQ}"
+        rtn, awq = r.max_drift(dense("rtn_q8"), base), r.max_drift(dense("awq_q8"), base)
+        assert awq <= 3 * rtn, {"rtn_q8": rtn, "awq_q8": awq}
+
+    out: List[Tuple[str, Callable[[], None]]] = []
+    for recipe in filter(r.offered, r.RTN):
+        out.append((f"recipe_stores_the_rule[{recipe}]", lambda n=recipe: stores_the_rule(n)))
+    # Multimodal calibration runs the model's processor, which the control lacks here (torchvision).
+    for recipe in [n for n in r.ALL if r.offered(n) and n != "awq_multimodal"]:
+        out.append((f"recipe_answers_as_its_weights[{recipe}]", lambda n=recipe: answers_as_its_weights(n)))
+    if r.offered("awq_q8"):
+        out.append(("awq_keeps_the_function", awq_keeps_the_function))
+    return out
+
+
 def control_items(model, folder: Path) -> List[Tuple[str, Callable[[], None]]]:
     """(item id, its check) for the control itself and the pin's own qwen3_vl defects."""
     from scripts._lib import control
@@ -373,7 +448,8 @@ def survey() -> Dict[str, str]:
     cases = {name: c.control_case(model, name) for name in ALL}
     result = {}
     try:
-        for item, run in control_items(model, folder) + items(model, cases) + server_items(folder, server):
+        checks = control_items(model, folder) + items(model, cases) + server_items(folder, server)
+        for item, run in checks + recipe_items(folder):
             try:
                 run()
                 result[item] = "pass"
