@@ -52,12 +52,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import threading
 import warnings
-import weakref
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
@@ -66,7 +63,6 @@ from .uint8_resize import resize_frames
 
 __all__ = [
     "CohereCompassVideoProcessor",
-    "DECODED_VIDEOS",
     "EmptyVideoError",
     "FrameContainerError",
     "FrameDtypeError",
@@ -442,6 +438,9 @@ class CohereCompassVideoProcessor:
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
     sample_frames_in_loader = True
+    # Set by a host whose loader decodes files without naming the frames it took (mlx-vlm 0.6.x):
+    # (frames, video processor, (min_frames, max_frames)) -> (frames, metadata) of that file, or None.
+    reread_decoded: Optional[Callable[..., Optional[tuple]]] = None
 
     def __init__(
         self,
@@ -750,9 +749,9 @@ class CohereCompassVideoProcessor:
         metadata = batched_metadata(video_metadata, len(items))
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
-            if meta is None and isinstance(fps, (list, tuple)):
-                found = DECODED_VIDEOS.reread(video, vp, limits)
-                if found is not None:  # a file mlx-vlm 0.6.x decoded: the reference's frames of it
+            if meta is None and isinstance(fps, (list, tuple)) and self.reread_decoded is not None:
+                found = self.reread_decoded(video, vp, limits)
+                if found is not None:  # frames a loader decoded from a file: the reference's frames of it
                     video, meta = found
             frames = _Frames(video, position)
             sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
@@ -765,59 +764,6 @@ class CohereCompassVideoProcessor:
             "video_grid_thw": np.asarray(grids, dtype=np.int64),
         }
         return data, settled
-
-
-class DecodedVideos:
-    """Clips mlx-vlm decoded from files without saying which frames it took.
-
-    mlx-vlm 0.6.x's ``load_video(path, fps=...)`` samples by its own rule (an even number of
-    frames) and returns only the frames and a rate. compass-compat's shim remembers each such
-    result here (by identity, weakly) with its file and requested rate, and sets ``reader``;
-    the processor then reads that file's frames by the reference's rule, with their source
-    positions, instead of the approximate ones it was handed.
-    """
-
-    def __init__(self, capacity: int = 16):
-        self.capacity = capacity
-        self.reader = None  # (path, sampler) -> (frames (T, H, W, 3) uint8, metadata), set by the shim
-        self._entries: "OrderedDict[int, Tuple[Any, str, float]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def remember(self, frames: Any, path: str, fps: float) -> None:
-        try:
-            ref = weakref.ref(frames)
-        except TypeError:
-            return
-        with self._lock:
-            self._entries[id(frames)] = (ref, path, fps)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-    def recall(self, frames: Any) -> Optional[Tuple[str, float]]:
-        with self._lock:
-            entry = self._entries.get(id(frames))
-        if entry is None or entry[0]() is not frames:
-            return None
-        return entry[1], entry[2]
-
-    def reread(self, frames: Any, video_processor: "CohereCompassVideoProcessor", limits) -> Optional[tuple]:
-        """(frames, metadata) of the remembered file by the reference's rule, or None."""
-        source = self.recall(frames)
-        if source is None or self.reader is None:
-            return None
-        path, fps = source
-        min_frames, max_frames = limits
-        frames, meta = self.reader(
-            path, lambda m: video_processor.sample_frames(m, fps=fps, min_frames=min_frames, max_frames=max_frames)
-        )
-        return frames, {
-            "total_num_frames": meta.total_num_frames,
-            "fps": meta.fps,
-            "frames_indices": meta.frames_indices,
-        }
-
-
-DECODED_VIDEOS = DecodedVideos()
 
 
 def batched_videos(videos) -> list:
