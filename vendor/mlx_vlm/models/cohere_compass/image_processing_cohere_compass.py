@@ -29,22 +29,22 @@ DEFAULT_MIN_PIXELS = 65536
 DEFAULT_MAX_PIXELS = 16777216
 MAX_ASPECT_RATIO = 200
 
-IMAGE_PROCESSOR_KEYS = (
-    "patch_size",
-    "merge_size",
-    "temporal_patch_size",
+# The settings both processors take, in the video processor's order.
+SHARED_KEYS = (
     "size",
-    "min_pixels",
-    "max_pixels",
-    "do_resize",
     "resample",
+    "do_resize",
     "do_rescale",
     "rescale_factor",
     "do_normalize",
     "image_mean",
     "image_std",
     "do_convert_rgb",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
 )
+IMAGE_PROCESSOR_KEYS = (*SHARED_KEYS, "min_pixels", "max_pixels")
 
 
 # Pixel bounds: two levels (the image processor at load, then each call), each applying `size`,
@@ -103,27 +103,21 @@ def resolve_pixel_bounds(
     call_kwargs: Optional[dict] = None,
 ) -> PixelBounds:
     """The two levels of pixel bounds, on already-read dicts (see :func:`read_pixel_bounds`)."""
-    load = {k: v for k, v in (load_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
-    call = {k: v for k, v in (call_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+
+    def given(values: Optional[dict], source: str) -> dict:
+        return {k: (v, source) for k, v in (values or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+
+    file_values = image_config if isinstance(image_config, dict) else {}
+    # Level 1: the settings file, from_pretrained kwargs over it. Level 2: tokenizer_config.json,
+    # from_pretrained kwargs (transformers hands them to the tokenizer too), then the call.
+    level1 = {k: (file_values.get(k), image_config_file or "image processor") for k in PIXEL_BOUND_KEYS}
+    level1.update(given(load_kwargs, "from_pretrained"))
+    defaults = {**given(tokenizer_config, "tokenizer_config.json"), **given(load_kwargs, "from_pretrained")}
     sources = {"shortest_edge": "default", "longest_edge": "default"}
     edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
-    # Level 1: the settings file, then from_pretrained kwargs over it (one dict, then one rule).
-    file_values = image_config if isinstance(image_config, dict) else {}
-    level1 = {
-        k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
-        for k in PIXEL_BOUND_KEYS
-    }
-    for key in PIXEL_BOUND_KEYS:  # applied key by key so each edge keeps its own source
-        value, source = level1[key]
-        edges = apply_pixel_keys(edges, {key: value}, source or "image processor", sources)
-    # Level 2: tokenizer_config.json, from_pretrained kwargs (the tokenizer's too), the call.
-    token_values = {k: v for k, v in (tokenizer_config or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
-    defaults = {k: (v, "tokenizer_config.json") for k, v in token_values.items()}
-    defaults.update({k: (v, "from_pretrained") for k, v in load.items()})
-    merged = {**defaults, **{k: (v, "call") for k, v in call.items()}}
-    for key in PIXEL_BOUND_KEYS:
-        if key in merged:
-            value, source = merged[key]
+    for level in (level1, {**defaults, **given(call_kwargs, "call")}):
+        for key in (k for k in PIXEL_BOUND_KEYS if k in level):  # key by key: each edge keeps its source
+            value, source = level[key]
             edges = apply_pixel_keys(edges, {key: value}, source, sources)
     return PixelBounds(
         edges["shortest_edge"],
@@ -385,7 +379,41 @@ def batch_feature(data: Dict[str, Any], return_tensors) -> BatchFeature:
     return BatchFeature(data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()})
 
 
-class CohereCompassImageProcessor(BaseImageProcessor):
+class Settings:
+    """What the image and video processors share: built from a folder's settings file, copied
+    with overrides. ``keys`` are the settings a call may override."""
+
+    kind = "image"
+    keys: Sequence[str] = IMAGE_PROCESSOR_KEYS
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """From a local checkpoint folder (its settings file picked as transformers 5.24 picks it)
+        or a settings file; ``kwargs`` as in ``from_dict``."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_file():
+            settings = read_json(path) or {}
+        elif path.is_dir():
+            settings, _ = cls.settings_file(path)
+        else:
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        return cls.from_dict(settings, **kwargs)
+
+    def with_settings(self, overrides: Dict[str, Any]):
+        """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(overrides) - set(self.keys)
+        if unknown:
+            raise TypeError(f"unexpected {self.kind} processor argument(s): {sorted(unknown)}")
+        if not overrides:
+            return self
+        settings = {k: getattr(self, k) for k in self.keys if k not in ("min_pixels", "max_pixels")}
+        if "size" in overrides:
+            settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
+        return type(self)(**{**settings, **overrides})
+
+
+class CohereCompassImageProcessor(Settings, BaseImageProcessor):
     """Native-resolution patches for the cohere_compass vision tower.
 
     Each image becomes ``pixel_values`` rows of ``3 * temporal_patch_size * patch_size**2``
@@ -463,32 +491,11 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         processor = cls(**{**config, **overrides})
         return (processor, unused) if return_unused else processor
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """From a local folder (its settings file picked as :func:`image_processor_settings` does)
-        or a settings file; kwargs as in :meth:`from_dict`."""
-        path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            config = read_json(path)
-        elif path.is_dir():
-            config, _ = image_processor_settings(
-                read_json(path / "processor_config.json"), read_json(path / "preprocessor_config.json")
-            )
-        else:
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
-        return cls.from_dict(config, **kwargs)
-
-    def _with_overrides(self, overrides: Dict[str, Any]) -> "CohereCompassImageProcessor":
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(overrides) - set(IMAGE_PROCESSOR_KEYS)
-        if unknown:
-            raise TypeError(f"unexpected image processor argument(s): {sorted(unknown)}")
-        if not overrides:
-            return self
-        config = {k: getattr(self, k) for k in IMAGE_PROCESSOR_KEYS if k not in ("min_pixels", "max_pixels")}
-        if "size" in overrides:
-            config["size"] = {**config["size"], **overrides.pop("size")}
-        return type(self)(**{**config, **overrides})
+    @staticmethod
+    def settings_file(folder: Path) -> tuple:
+        return image_processor_settings(
+            read_json(folder / "processor_config.json"), read_json(folder / "preprocessor_config.json")
+        )
 
     def resized_shape(self, height: int, width: int) -> tuple:
         factor = self.patch_size * self.merge_size
@@ -506,12 +513,12 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:
-        ip = self._with_overrides({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
+        ip = self.with_settings({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
         h, w = ip.resized_shape(height, width)
         return (h // ip.patch_size) * (w // ip.patch_size)
 
     def num_image_tokens(self, height: int, width: int, **overrides) -> int:
-        ip = self._with_overrides(overrides)
+        ip = self.with_settings(overrides)
         return ip.get_number_of_image_patches(height, width) // ip.merge_size**2
 
     def _pixels(self, image) -> np.ndarray:
@@ -542,7 +549,7 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         return np.asarray(array, dtype=np.float32)
 
     def preprocess(self, images, return_tensors=None, **overrides) -> BatchFeature:
-        ip = self._with_overrides(overrides)
+        ip = self.with_settings(overrides)
         rows, grids = [], []
         for image in flatten_images(images):
             pixels = ip._pixels(image).transpose(2, 0, 1)

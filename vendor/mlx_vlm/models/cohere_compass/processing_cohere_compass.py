@@ -7,16 +7,16 @@ and where this departs from the reference: docs/processor.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
 
 from .image_processing_cohere_compass import (  # noqa: F401 (pixel-bound resolution, also read from here)
-    DEFAULT_MERGE_SIZE,
     IMAGE_PROCESSOR_KEYS,
     PIXEL_BOUND_KEYS,
     CohereCompassImageProcessor,
@@ -91,23 +91,20 @@ def video_without_frames(found: int) -> VideoCountMismatchError:
     )
 
 
-def _is_image_part(part: dict) -> bool:  # the template's rule for user messages
-    return part.get("type") == "image" or "image" in part or "image_url" in part
-
-
-def _is_video_part(part: dict) -> bool:
-    return part.get("type") == "video" or "video" in part
-
-
-def _user_parts(conversation):
-    """(message index, part index, part) of the dict parts of user messages' list content."""
-    for i, message in enumerate(conversation):
-        content = message.get("content") if isinstance(message, dict) else None
+def _media(conversation) -> tuple:
+    """(images, videos) of user messages' list content, by the template's rules (None: a part
+    without its image or frames)."""
+    images, videos = [], []
+    for message in conversation:
+        content = message.get("content")
         if message.get("role") != "user" or not isinstance(content, list):
             continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict):
-                yield i, j, part
+        for part in (p for p in content if isinstance(p, dict)):
+            if part.get("type") == "image" or "image" in part or "image_url" in part:
+                images.append(_image_source(part))
+            elif part.get("type") == "video" or "video" in part:
+                videos.append(next((part[k] for k in ("video", "url", "path") if part.get(k) is not None), None))
+    return images, videos
 
 
 def _image_source(part: dict):
@@ -117,13 +114,6 @@ def _image_source(part: dict):
             value = value.get("url")
         if value is not None:
             return value
-    return None
-
-
-def _video_source(part: dict):
-    for key in ("video", "url", "path"):
-        if part.get(key) is not None:
-            return part[key]
     return None
 
 
@@ -204,42 +194,39 @@ def without_double_bos(tokenizer):
             return [t[len(bos) :] if t.startswith(bos) else t for t in text]
         return text
 
-    def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
-        if _count_video_tokens(text):
-            raise video_without_frames(_count_video_tokens(text))
-        return base.__call__(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
+    def guarded(method, refuse_video: bool = True):
+        def call(self, text=None, *args, add_special_tokens=True, **kwargs):
+            if refuse_video and _count_video_tokens(text):
+                raise video_without_frames(_count_video_tokens(text))
+            text = strip(self, text, add_special_tokens)
+            return method(self, text, *args, add_special_tokens=add_special_tokens, **kwargs)
 
-    def encode(self, text, *args, add_special_tokens=True, **kwargs):
-        if _count_video_tokens(text):
-            raise video_without_frames(_count_video_tokens(text))
-        return base.encode(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
+        return call
 
-    def encode_expanded(self, text=None, *args, add_special_tokens=True, **kwargs):
-        return base.__call__(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
-
-    guarded = type(
-        base.__name__,
-        (base,),
-        {
-            "__call__": __call__,
-            "encode": encode,
-            "_compass_encode_expanded": encode_expanded,
-            "_compass_no_double_bos": True,
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-        },
+    tokenizer.__class__ = _subclass(
+        base,
+        __call__=guarded(base.__call__),
+        encode=guarded(base.encode),
+        _compass_encode_expanded=guarded(base.__call__, refuse_video=False),
+        _compass_no_double_bos=True,
     )
-    tokenizer.__class__ = guarded
     return tokenizer
 
 
-_GUARDED_DETOKENIZERS: Dict[type, type] = {}
+def _subclass(base: type, **attrs) -> type:
+    """A subclass of ``base`` under its name with ``attrs``: swapped in as an instance's class, so
+    every holder of the instance (and its copies) gets them."""
+    return type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+@functools.lru_cache(maxsize=None)
+def _skipping_class(base: type) -> type:
+    def add_token(self, token, *args, **kwargs):
+        if int(token) >= self._compass_vocab_size:
+            return None
+        return base.add_token(self, token, *args, **kwargs)
+
+    return _subclass(base, add_token=add_token, _compass_skips_padding_ids=True, _compass_original_class=base)
 
 
 def skipping_padding_ids(detokenizer, vocab_size: int):
@@ -248,33 +235,13 @@ def skipping_padding_ids(detokenizer, vocab_size: int):
     in :func:`without_double_bos`, so ``copy()`` keeps the guard."""
     if detokenizer is None or getattr(detokenizer, "_compass_skips_padding_ids", False):
         return detokenizer
-    base = type(detokenizer)
-    guarded = _GUARDED_DETOKENIZERS.get(base)
-    if guarded is None:
-
-        def add_token(self, token, *args, **kwargs):
-            if int(token) >= self._compass_vocab_size:
-                return None
-            return base.add_token(self, token, *args, **kwargs)
-
-        guarded = _GUARDED_DETOKENIZERS[base] = type(
-            base.__name__,
-            (base,),
-            {
-                "add_token": add_token,
-                "_compass_skips_padding_ids": True,
-                "_compass_original_class": base,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-            },
-        )
     try:
         detokenizer._compass_vocab_size = int(vocab_size)
-        detokenizer.__class__ = guarded
+        detokenizer.__class__ = _skipping_class(type(detokenizer))
     except (TypeError, AttributeError) as err:  # a C type or __slots__: cannot carry the guard
         logger.warning(
             "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
-            base.__name__,
+            type(detokenizer).__name__,
             err,
         )
     return detokenizer
@@ -346,7 +313,7 @@ class CohereCompassProcessor:
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
         image_processor = CohereCompassImageProcessor.from_dict(bounds.image_config, **overrides)
         if bounds.call_defaults:  # what a call without kwargs uses, so num_image_tokens agrees
-            image_processor = image_processor._with_overrides(bounds.call_defaults)
+            image_processor = image_processor.with_settings(bounds.call_defaults)
         video_processor = CohereCompassVideoProcessor.from_pretrained(path, **video_overrides)
         # transformers hands from_pretrained kwargs to the tokenizer too, so they are call defaults as well.
         video_defaults = {
@@ -452,9 +419,8 @@ class CohereCompassProcessor:
 
         image_inputs, counts = {}, []
         if images:
-            image_processor = self.image_processor
-            image_inputs = dict(image_processor(images, **image_kwargs))
-            merge = image_kwargs.get("merge_size") or getattr(image_processor, "merge_size", DEFAULT_MERGE_SIZE)
+            image_inputs = dict(self.image_processor(images, **image_kwargs))
+            merge = image_kwargs.get("merge_size") or self.image_processor.merge_size
             counts = [int(np.prod(g)) // merge**2 for g in np.asarray(image_inputs["image_grid_thw"])]
 
         video_inputs, blocks, video_token_count, settled = {}, [], 0, []
@@ -549,12 +515,9 @@ class CohereCompassProcessor:
         return_dict = kwargs.pop("return_dict", False)
         return_tensors = kwargs.pop("return_tensors", None)
         text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-        # The parts the template renders as an image or a video: user messages only, as it decides.
-        parts = [part for _, _, part in _user_parts(conversation)]
-        images = [_image_source(part) for part in parts if _is_image_part(part)]
+        images, videos = _media(conversation)
         if any(image is None for image in images):
             raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
-        videos = [_video_source(part) for part in parts if not _is_image_part(part) and _is_video_part(part)]
         if any(v is None for v in videos):
             raise FrameContainerError(
                 "a video part carries no frames; put them in its 'video' key, or render with tokenize=False and "

@@ -17,6 +17,8 @@ import numpy as np
 from PIL import Image
 
 from .image_processing_cohere_compass import (
+    SHARED_KEYS,
+    Settings,
     batch_feature,
     checked_size,
     checked_values,
@@ -33,18 +35,7 @@ DEFAULT_FALLBACK_FPS = 24  # the reference's assumption when metadata carries no
 BICUBIC = 3  # PIL's id, as the settings files store it
 
 VIDEO_PROCESSOR_KEYS = (
-    "size",
-    "resample",
-    "do_resize",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_convert_rgb",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
+    *SHARED_KEYS,
     "min_frames",
     "max_frames",
     "do_sample_frames",
@@ -283,7 +274,7 @@ def timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_size: i
     ]
 
 
-class CohereCompassVideoProcessor:
+class CohereCompassVideoProcessor(Settings):
     """Frames -> ``pixel_values_videos`` [N, 3*2*16*16] and ``video_grid_thw`` [videos, 3].
 
     Settings are the reference's (``VIDEO_PROCESSOR_KEYS``); a call may override any of them.
@@ -291,6 +282,8 @@ class CohereCompassVideoProcessor:
     while decoding a file and pass them with their metadata.
     """
 
+    kind = "video"
+    keys = VIDEO_PROCESSOR_KEYS
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
     sample_frames_in_loader = True
     # Set by a host whose loader decodes files without naming the frames it took (mlx-vlm 0.6.x):
@@ -356,17 +349,9 @@ class CohereCompassVideoProcessor:
         merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
         return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "CohereCompassVideoProcessor":
-        """From a local checkpoint folder (:func:`video_processor_settings`) or a settings file."""
-        path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            settings = read_json(path) or {}
-        elif path.is_dir():
-            settings, _ = video_processor_settings(path)
-        else:
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
-        return cls.from_dict(settings, **kwargs)
+    @staticmethod
+    def settings_file(folder: Path) -> tuple:
+        return video_processor_settings(folder)
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings, as ``save_pretrained`` writes them."""
@@ -382,20 +367,6 @@ class CohereCompassVideoProcessor:
         target = path / "video_preprocessor_config.json"
         target.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
         return [str(target)]
-
-    def with_settings(self, overrides: Dict[str, Any]) -> "CohereCompassVideoProcessor":
-        """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(overrides) - set(VIDEO_PROCESSOR_KEYS)
-        if unknown:
-            raise TypeError(f"unexpected video processor argument(s): {sorted(unknown)}")
-        if not overrides:
-            return self
-        settings = self.to_dict()
-        settings.pop("video_processor_type")
-        if "size" in overrides:
-            settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
-        return type(self)(**{**settings, **overrides})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
