@@ -221,8 +221,8 @@ def flatten_images(images) -> list:
 
 
 def _open_file(path) -> Image.Image:
-    """The decoded image with EXIF orientation applied, still in the file's mode."""
-    # transformers' load_image then converts to plain RGB (no compositing): see _plain_rgb.
+    """The decoded image with EXIF orientation applied, still in the file's mode (then converted to
+    plain RGB, as transformers' load_image does)."""
     try:
         with Image.open(path) as im:
             im.load()  # open() is lazy; truncation and decode errors surface here
@@ -258,15 +258,8 @@ _TWO_PASS = {
 def convert_and_resize(
     image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS, min_pixels: int = _BANDED_MIN_PIXELS
 ) -> Image.Image:
-    """``convert(image).resize(size, resample)`` without converting a large image whole.
-
-    Converting a huge non-RGB image at full size costs up to four copies of it (RGBA:
-    RGBA copy, white backdrop, composite, RGB). PIL resizes in a horizontal pass that
-    treats each row alone, then a vertical pass; the conversion is per pixel. So
-    converting and horizontally resizing band by band, then running the vertical pass
-    on the narrow result, yields the same bytes as the one-shot call while holding only
-    ``target width x input height`` RGB pixels (tests/test_processor.py compares them).
-    """
+    """``convert(image).resize(size, resample)``, the same bytes, without converting a large image
+    whole: converted and horizontally resized band by band (PIL's first pass treats rows alone)."""
     width, height = image.size
     if (
         convert is None
@@ -316,10 +309,8 @@ def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
 
 
 def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
-    """RGB PIL image from an array, plus whether values were scaled up from [0, 1].
-
-    PIL resizes uint8 only; the conversion follows the reference's array path.
-    """
+    """RGB PIL image (PIL resizes uint8 only) from an array by the reference's array path, plus
+    whether values were scaled up from [0, 1]."""
     array = _rgb_array(array, do_convert_rgb)
     scaled = False
     if array.dtype != np.uint8:

@@ -498,15 +498,7 @@ class CohereCompassProcessor:
         here) and the processor keywords in ``kwargs`` (``video_metadata``, ``fps``, ...)."""
         template = chat_template if chat_template is not None else self.chat_template
         batch = bool(conversation) and not isinstance(conversation[0], dict)
-        call_keys = {
-            "video_metadata",
-            "fps",
-            "num_frames",
-            "do_sample_frames",
-            "return_metadata",
-            *VIDEO_PROCESSOR_KEYS,
-            *IMAGE_PROCESSOR_KEYS,
-        }
+        call_keys = {"video_metadata", *VIDEO_PROCESSOR_KEYS, *IMAGE_PROCESSOR_KEYS}
         processor_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in call_keys}
         if not tokenize:
             return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
