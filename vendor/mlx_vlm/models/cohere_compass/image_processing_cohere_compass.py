@@ -157,8 +157,8 @@ def smart_resize(
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise error(
-            f"{what} of {width}x{height} pixels: aspect ratio {ratio:.1f}; cohere_compass accepts at most "
-            f"{MAX_ASPECT_RATIO}. Crop or pad first."
+            f"{what} of {width}x{height} pixels has aspect ratio {ratio:.1f}; cohere_compass accepts at most "
+            f"{MAX_ASPECT_RATIO}. Crop or pad the {what} first."
         )
     h = round(height / factor) * factor
     w = round(width / factor) * factor

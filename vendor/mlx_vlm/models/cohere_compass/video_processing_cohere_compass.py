@@ -135,7 +135,7 @@ def smart_resize_video(
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     return smart_resize(
-        height, width, factor, min_pixels, max_pixels, num_frames, temporal_factor, "video frames", FrameSizeError
+        height, width, factor, min_pixels, max_pixels, num_frames, temporal_factor, "video frame", FrameSizeError
     )
 
 
