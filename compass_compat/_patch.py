@@ -563,8 +563,9 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
     processor's ``sample_frames`` (``frame_sampler``) and returns the indices. Where
     ``load_video`` takes no ``frame_sampler``, it is wrapped: its result is unchanged (every
     model gets what it got), and the returned frames are remembered with their file and rate
-    in the vendored video processor's ``DECODED_VIDEOS``, so the cohere_compass processor that
-    receives them reads that file's frames by the reference's rule, with their times.
+    in ``video_files.DECODED_VIDEOS``, which the vendored video processor's ``reread_decoded`` asks,
+    so the cohere_compass processor that receives them reads that file's frames by the reference's
+    rule, with their times.
     """
     import inspect
 
@@ -578,21 +579,21 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         return
     if "frame_sampler" in parameters:
         return  # mlx-vlm asks the processor's sample_frames itself (sample_frames_in_loader)
-    from .video_files import read_video
+    from .video_files import DECODED_VIDEOS
 
     fps_default = parameters["fps"].default if "fps" in parameters else 2.0
 
     def registry() -> Any:
         # Looked up when a file is decoded, not at patch time: the package is imported lazily.
-        found = getattr(importlib.import_module(VIDEO_MODULE), "DECODED_VIDEOS", None)
-        if found is None:
+        processor = getattr(importlib.import_module(VIDEO_MODULE), "CohereCompassVideoProcessor", None)
+        if processor is None or not hasattr(processor, "reread_decoded"):
             raise CompassCompatError(
-                f"{VIDEO_MODULE} has no DECODED_VIDEOS registry; the vendored package is incomplete",
-                hooks=[f"{VIDEO_MODULE}.DECODED_VIDEOS"],
+                f"{VIDEO_MODULE} has no CohereCompassVideoProcessor.reread_decoded; the vendored package is incomplete",
+                hooks=[f"{VIDEO_MODULE}.CohereCompassVideoProcessor.reread_decoded"],
                 mlx_vlm_version=_mlx_vlm_version(),
             )
-        found.reader = read_video
-        return found
+        processor.reread_decoded = DECODED_VIDEOS.reread
+        return DECODED_VIDEOS
 
     @functools.wraps(original)
     def load_video(video_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -606,9 +607,9 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
     utils.load_video = load_video
 
     def restore() -> None:
-        module = sys.modules.get(VIDEO_MODULE)
-        if module is not None and getattr(module, "DECODED_VIDEOS", None) is not None:
-            module.DECODED_VIDEOS.reader = None
+        processor = getattr(sys.modules.get(VIDEO_MODULE), "CohereCompassVideoProcessor", None)
+        if processor is not None and hasattr(processor, "reread_decoded"):
+            processor.reread_decoded = None
         if vars(utils).get("load_video") is load_video:
             utils.load_video = original
 

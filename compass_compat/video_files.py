@@ -5,12 +5,16 @@ Decoding uses what the installed mlx-vlm uses (OpenCV, which every mlx-vlm relea
 directly with the same calls (seek to each index, read, BGR to RGB). Which frames are read is
 decided by a sampler, normally the cohere_compass video processor's ``sample_frames`` (the
 reference's rule), so a clip gives the reference's frames and timestamps on every pin.
+:data:`DECODED_VIDEOS` does the same for files mlx-vlm 0.6.x's ``load_video`` decoded by its own rule.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -155,3 +159,48 @@ def _mlx_vlm_loader() -> Optional[Callable[..., Any]]:
 
 def _strip_scheme(path: str) -> str:
     return path[len("file://") :] if str(path).startswith("file://") else str(path)
+
+
+class DecodedVideos:
+    """Clips mlx-vlm 0.6.x's ``load_video(path, fps=...)`` decoded without saying which frames it took.
+
+    The shim remembers each result here (weakly, by identity) with its file and requested rate and
+    sets the video processor's ``reread_decoded`` to :meth:`reread`, so the processor reads that
+    file's frames by the reference's rule, with their source positions.
+    """
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._entries: "OrderedDict[int, Tuple[Any, str, float]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, frames: Any, path: str, fps: float) -> None:
+        """Note that ``frames`` were decoded from ``path`` at the requested ``fps``."""
+        try:
+            ref = weakref.ref(frames)
+        except TypeError:
+            return
+        with self._lock:
+            self._entries[id(frames)] = (ref, path, fps)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def reread(self, frames: Any, video_processor: Any, limits: Tuple[Any, Any]) -> Optional[Tuple[np.ndarray, dict]]:
+        """(frames, metadata) of the file ``frames`` came from, sampled by ``video_processor``, or None."""
+        with self._lock:
+            entry = self._entries.get(id(frames))
+        if entry is None or entry[0]() is not frames:
+            return None
+        _, path, fps = entry
+        min_frames, max_frames = limits
+        frames, meta = read_video(
+            path, lambda m: video_processor.sample_frames(m, fps=fps, min_frames=min_frames, max_frames=max_frames)
+        )
+        return frames, {
+            "total_num_frames": meta.total_num_frames,
+            "fps": meta.fps,
+            "frames_indices": meta.frames_indices,
+        }
+
+
+DECODED_VIDEOS = DecodedVideos()

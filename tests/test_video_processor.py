@@ -470,24 +470,24 @@ GOOD = make_clip(4, 64, 64, 1)
     ],
 )
 def test_bad_video_input_gets_a_named_error(video_call, videos, text, error, match):
-    with pytest.raises(getattr(pc, error), match=match) as err:
+    with pytest.raises(getattr(vpc, error), match=match) as err:
         video_call(videos, text=text, do_sample_frames=False)
     assert isinstance(err.value, pc.VideoInputError) and isinstance(err.value, ValueError)
 
 
 def test_metadata_that_does_not_fit_the_frames_is_refused(video_call):
     clip = make_clip(8, 64, 64, 1)
-    with pytest.raises(pc.VideoMetadataError, match="total_num_frames=90 but 8 frames"):
+    with pytest.raises(vpc.VideoMetadataError, match="total_num_frames=90 but 8 frames"):
         video_call([clip], video_metadata=[{"total_num_frames": 90, "fps": 30}])
-    with pytest.raises(pc.VideoMetadataError, match="has 3 entries"):
+    with pytest.raises(vpc.VideoMetadataError, match="has 3 entries"):
         video_call(
             [clip],
             video_metadata=[{"total_num_frames": 8, "fps": 30, "frames_indices": [0, 1, 2]}],
             do_sample_frames=False,
         )
-    with pytest.raises(pc.VideoMetadataError, match="2 video_metadata entries .* 1 videos"):
+    with pytest.raises(vpc.VideoMetadataError, match="2 video_metadata entries .* 1 videos"):
         video_call([clip], video_metadata=[{"total_num_frames": 8, "fps": 30}] * 2)
-    with pytest.raises(pc.VideoMetadataError, match="2 fps values .* 1 videos"):
+    with pytest.raises(vpc.VideoMetadataError, match="2 fps values .* 1 videos"):
         video_call([clip], fps=[2.0, 2.0])
 
 
@@ -497,4 +497,3 @@ def test_video_token_through_the_tokenizer_alone_is_refused(processors):
     for call in (lambda: tokenizer("<BOS_TOKEN>" + VIDEO_PART), lambda: tokenizer.encode(VIDEO_PART)):
         with pytest.raises(pc.VideoCountMismatchError, match="no video was passed"):
             call()
-    assert pc.VideoNotSupportedError  # still importable (compass_compat/cli/video.py looks it up)

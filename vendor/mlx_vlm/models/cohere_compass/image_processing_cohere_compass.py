@@ -1,10 +1,7 @@
-"""Torch-free image processor for cohere_compass (North-Micro-Vision).
+"""Torch-free image processor for cohere_compass: pixel bounds, resize, patchify, the grid memo
+the model reads when a host passes no grid, and the checks both processors share.
 
-Behaviour follows transformers' ``CohereCompassImageProcessorPil`` (5.21+); only numpy and
-PIL do the image math. Holds the pixel-bound resolution (shared with the processor and
-compass_compat's checkpoint checks), resize, patchify and the process-global grid memo
-the model reads when a host passes no grid. The processor is in
-``processing_cohere_compass.py``.
+transformers' ``CohereCompassImageProcessorPil`` is the reference (docs/processor.md).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -32,73 +29,33 @@ DEFAULT_MIN_PIXELS = 65536
 DEFAULT_MAX_PIXELS = 16777216
 MAX_ASPECT_RATIO = 200
 
-IMAGE_PROCESSOR_KEYS = (
-    "patch_size",
-    "merge_size",
-    "temporal_patch_size",
+# The settings both processors take, in the video processor's order.
+SHARED_KEYS = (
     "size",
-    "min_pixels",
-    "max_pixels",
-    "do_resize",
     "resample",
+    "do_resize",
     "do_rescale",
     "rescale_factor",
     "do_normalize",
     "image_mean",
     "image_std",
     "do_convert_rgb",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
 )
+IMAGE_PROCESSOR_KEYS = (*SHARED_KEYS, "min_pixels", "max_pixels")
 
 
-# ---------------------------------------------------------------- pixel bounds
-#
-# Which min / max pixel bounds an image is resized within, resolved from a checkpoint folder
-# the way transformers 5.24 resolves them (read from its processing_utils.ProcessorMixin,
-# image_processing_base.get_image_processor_dict and the cohere_compass image processors,
-# and measured on folders of each layout: tests/test_pixel_bounds.py). Two levels, the
-# same rule at each: start from the level below, let a `size` object replace its entries,
-# then let the legacy `min_pixels` / `max_pixels` keys replace those.
-#
-#   level                     | where the values come from, highest first
-#   --------------------------+----------------------------------------------------------------
-#   1. image processor        | from_pretrained kwargs (`size`, `min_pixels`, `max_pixels`);
-#      (built once, at load)  | the settings file: processor_config.json's `image_processor`
-#                             | block when that key exists (then preprocessor_config.json is
-#                             | not read at all), else preprocessor_config.json; defaults.
-#                             | Inside one dict `min_pixels`/`max_pixels` beat `size`, so a
-#                             | file's min_pixels beats a from_pretrained `size`.
-#   2. processor call         | call kwargs; from_pretrained kwargs (transformers hands them to
-#      (every __call__)       | the tokenizer too, so they land in its init kwargs); the
-#                             | tokenizer_config.json keys `size` / `min_pixels` / `max_pixels`
-#                             | (ProcessorMixin._merge_kwargs merges tokenizer init kwargs into
-#                             | the image kwargs); then level 1. Again min/max beat `size`, so
-#                             | a call `size` loses to tokenizer_config.json's min/max_pixels.
-#
-# The published CohereLabs folder: preprocessor_config.json 65536 / 16777216 but
-# tokenizer_config.json 16384 / 3868706, so 16384 / 3868706 (224x224 -> 49 tokens,
-# 4032x3024 -> 3710). An mlx-vlm >= 0.6.13 conversion adds processor_config.json whose
-# block says 16384 / 3868706: the same.
-# compass-compat: where the reference would differ for no purpose, this does not:
-# - a key missing from the winning settings file takes the published value (the reference
-#   takes its class defaults: 3136 / 1003520 pixels, patch 14, CLIP mean/std);
-# - a None call kwarg means "not given" (the reference fails on it), and a `size` given with
-#   one edge keeps the other from the level below (the reference fails unless min/max fill it);
-# - the image processor built by CohereCompassProcessor.from_pretrained carries the level-2
-#   bounds of a call without kwargs, so `image_processor.num_image_tokens` (mlx-vlm 0.7.10's
-#   estimate) and `.min_pixels`/`.max_pixels` say what the processor produces;
-# - tokenizer_config.json keys other than these three are not merged into image kwargs.
-
+# Pixel bounds: two levels (the image processor at load, then each call), each applying `size`,
+# then the legacy min_pixels / max_pixels keys; the precedence table: docs/processor.md.
 PIXEL_BOUND_KEYS = ("size", "min_pixels", "max_pixels")
 _EDGE_OF = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
 
 class PixelBounds(NamedTuple):
-    """Resolved bounds (unvalidated: the caller checks them) and where each came from.
-
-    ``min_source`` / ``max_source`` read like ``"tokenizer_config.json min_pixels"``;
-    ``image_config`` is the winning settings dict (level 1's file), ``image_config_file``
-    its name or None; ``call_defaults`` the level-2 kwargs a call without kwargs gets.
-    """
+    """Resolved bounds (unvalidated) and where each came from (``"tokenizer_config.json min_pixels"``);
+    the winning settings dict and its file; ``call_defaults``: the kwargs a call without kwargs gets."""
 
     min_pixels: Any
     max_pixels: Any
@@ -112,11 +69,8 @@ class PixelBounds(NamedTuple):
 def apply_pixel_keys(
     edges: Dict[str, Any], values: Dict[str, Any], source: str, sources: Optional[Dict[str, str]] = None
 ) -> Dict[str, Any]:
-    """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys.
-
-    The one rule of both levels. None values count as absent; a `size` that is not an
-    object is left for the caller's validation. ``sources`` (edge -> label) is updated.
-    """
+    """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys (None:
+    absent; a `size` that is not an object is left to validation); ``sources`` (edge -> label) updated."""
     edges = dict(edges)
     labels = [("size", edge, f"{source} size.{edge}") for edge in ("shortest_edge", "longest_edge")]
     labels += [(key, edge, f"{source} {key}") for key, edge in _EDGE_OF.items()]
@@ -132,8 +86,8 @@ def apply_pixel_keys(
 
 
 def image_processor_settings(processor_config: Any, preprocessor_config: Any) -> tuple:
-    """(settings dict, its file) as transformers 5.24 picks them: processor_config.json's
-    ``image_processor`` block if the key is there, else preprocessor_config.json."""
+    """(settings dict, its file): processor_config.json's ``image_processor`` block if the key is
+    there, else preprocessor_config.json."""
     if isinstance(processor_config, dict) and "image_processor" in processor_config:
         return processor_config["image_processor"], "processor_config.json image_processor"
     if preprocessor_config is not None:
@@ -148,28 +102,22 @@ def resolve_pixel_bounds(
     load_kwargs: Optional[dict] = None,
     call_kwargs: Optional[dict] = None,
 ) -> PixelBounds:
-    """The two levels above, on already-read dicts (see :func:`read_pixel_bounds`)."""
-    load = {k: v for k, v in (load_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
-    call = {k: v for k, v in (call_kwargs or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+    """The two levels of pixel bounds, on already-read dicts (see :func:`read_pixel_bounds`)."""
+
+    def given(values: Optional[dict], source: str) -> dict:
+        return {k: (v, source) for k, v in (values or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+
+    file_values = image_config if isinstance(image_config, dict) else {}
+    # Level 1: the settings file, from_pretrained kwargs over it. Level 2: tokenizer_config.json,
+    # from_pretrained kwargs (transformers hands them to the tokenizer too), then the call.
+    level1 = {k: (file_values.get(k), image_config_file or "image processor") for k in PIXEL_BOUND_KEYS}
+    level1.update(given(load_kwargs, "from_pretrained"))
+    defaults = {**given(tokenizer_config, "tokenizer_config.json"), **given(load_kwargs, "from_pretrained")}
     sources = {"shortest_edge": "default", "longest_edge": "default"}
     edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
-    # Level 1: the settings file, then from_pretrained kwargs over it (one dict, then one rule).
-    file_values = image_config if isinstance(image_config, dict) else {}
-    level1 = {
-        k: (load.get(k), "from_pretrained") if k in load else (file_values.get(k), image_config_file)
-        for k in PIXEL_BOUND_KEYS
-    }
-    for key in PIXEL_BOUND_KEYS:  # applied key by key so each edge keeps its own source
-        value, source = level1[key]
-        edges = apply_pixel_keys(edges, {key: value}, source or "image processor", sources)
-    # Level 2: tokenizer_config.json, from_pretrained kwargs (the tokenizer's too), the call.
-    token_values = {k: v for k, v in (tokenizer_config or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
-    defaults = {k: (v, "tokenizer_config.json") for k, v in token_values.items()}
-    defaults.update({k: (v, "from_pretrained") for k, v in load.items()})
-    merged = {**defaults, **{k: (v, "call") for k, v in call.items()}}
-    for key in PIXEL_BOUND_KEYS:
-        if key in merged:
-            value, source = merged[key]
+    for level in (level1, {**defaults, **given(call_kwargs, "call")}):
+        for key in (k for k in PIXEL_BOUND_KEYS if k in level):  # key by key: each edge keeps its source
+            value, source = level[key]
             edges = apply_pixel_keys(edges, {key: value}, source, sources)
     return PixelBounds(
         edges["shortest_edge"],
@@ -191,40 +139,73 @@ def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: O
     return resolve_pixel_bounds(config, name, read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
-    """Target (height, width): multiples of ``factor``, pixel count in [min, max], aspect kept."""
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    frames: int = 1,
+    temporal: int = 1,
+    what: str = "image",
+    error: type = ValueError,
+) -> tuple:
+    """Target (height, width): multiples of ``factor``, aspect kept, with ``frames`` (rounded to
+    ``temporal``) times height times width in [min, max] pixels; Python's half-to-even rounding."""
     if height <= 0 or width <= 0:
-        raise ValueError(f"image has an empty side: {width}x{height}")
+        raise error(f"{what} has an empty side: {width}x{height}")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"image of {width}x{height} pixels has aspect ratio {ratio:.1f}; cohere_compass accepts "
-            f"at most {MAX_ASPECT_RATIO}. Crop or pad the image first."
+        raise error(
+            f"{what} of {width}x{height} pixels has aspect ratio {ratio:.1f}; cohere_compass accepts at most "
+            f"{MAX_ASPECT_RATIO}. Crop or pad the {what} first."
         )
     h = round(height / factor) * factor
     w = round(width / factor) * factor
-    if h * w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
+    t = round(frames / temporal) * temporal
+    if t * h * w > max_pixels:
+        shrink = math.sqrt(frames * height * width / max_pixels)
         h = max(factor, math.floor(height / shrink / factor) * factor)
         w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif h * w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
+    elif t * h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (frames * height * width))
         h = math.ceil(height * grow / factor) * factor
         w = math.ceil(width * grow / factor) * factor
     return h, w
 
 
-def _positive_int(name: str, value) -> int:
+def positive_int(name: str, value, kind: str = "image") -> int:
+    """``value`` as an int, or ValueError naming ``name`` for the ``kind`` ("image", "video") processor."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"cohere_compass image processor: `{name}` must be a positive integer, got {value!r}")
+        raise ValueError(f"cohere_compass {kind} processor: `{name}` must be a positive integer, got {value!r}")
     return int(value)
 
 
-def _per_channel(name: str, value) -> List[float]:
-    values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
-    if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
-        raise ValueError(f"cohere_compass image processor: `{name}` must be 3 finite numbers, got {value!r}")
-    return [float(v) for v in values]
+def checked_size(size: Dict[str, Any], kind: str = "image") -> Dict[str, int]:
+    """``size``'s two edges (min / max pixels), positive and in order."""
+    alias = {"shortest_edge": " (min_pixels)", "longest_edge": " (max_pixels)"} if kind == "image" else {}
+    edges = {e: positive_int(f"size.{e}{alias.get(e, '')}", size[e], kind) for e in ("shortest_edge", "longest_edge")}
+    if edges["shortest_edge"] > edges["longest_edge"]:
+        raise ValueError(
+            f"cohere_compass {kind} processor: `size.shortest_edge` ({edges['shortest_edge']}) exceeds "
+            f"`size.longest_edge` ({edges['longest_edge']})"
+        )
+    return edges
+
+
+def checked_values(rescale_factor, image_mean, image_std, kind: str = "image") -> tuple:
+    """(rescale_factor, mean, std): a positive number, then 3 finite numbers each, std without a zero."""
+    if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
+        raise ValueError(f"cohere_compass {kind} processor: `rescale_factor` must be positive, got {rescale_factor!r}")
+    channels = []
+    for name, value in (("image_mean", image_mean), ("image_std", image_std)):
+        values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+        if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+            raise ValueError(f"cohere_compass {kind} processor: `{name}` must be 3 finite numbers, got {value!r}")
+        channels.append([float(v) for v in values])
+    if 0.0 in channels[1]:
+        raise ValueError(f"cohere_compass {kind} processor: `image_std` has a zero: {channels[1]}")
+    return float(rescale_factor), channels[0], channels[1]
 
 
 def flatten_images(images) -> list:
@@ -240,8 +221,8 @@ def flatten_images(images) -> list:
 
 
 def _open_file(path) -> Image.Image:
-    """The decoded image with EXIF orientation applied, still in the file's mode."""
-    # transformers' load_image then converts to plain RGB (no compositing): see _plain_rgb.
+    """The decoded image with EXIF orientation applied, still in the file's mode (then converted to
+    plain RGB, as transformers' load_image does)."""
     try:
         with Image.open(path) as im:
             im.load()  # open() is lazy; truncation and decode errors surface here
@@ -277,15 +258,8 @@ _TWO_PASS = {
 def convert_and_resize(
     image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS, min_pixels: int = _BANDED_MIN_PIXELS
 ) -> Image.Image:
-    """``convert(image).resize(size, resample)`` without converting a large image whole.
-
-    Converting a huge non-RGB image at full size costs up to four copies of it (RGBA:
-    RGBA copy, white backdrop, composite, RGB). PIL resizes in a horizontal pass that
-    treats each row alone, then a vertical pass; the conversion is per pixel. So
-    converting and horizontally resizing band by band, then running the vertical pass
-    on the narrow result, yields the same bytes as the one-shot call while holding only
-    ``target width x input height`` RGB pixels (tests/test_processor.py compares them).
-    """
+    """``convert(image).resize(size, resample)``, the same bytes, without converting a large image
+    whole: converted and horizontally resized band by band (PIL's first pass treats rows alone)."""
     width, height = image.size
     if (
         convert is None
@@ -335,10 +309,8 @@ def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
 
 
 def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
-    """RGB PIL image from an array, plus whether values were scaled up from [0, 1].
-
-    PIL resizes uint8 only; the conversion follows the reference's array path.
-    """
+    """RGB PIL image (PIL resizes uint8 only) from an array by the reference's array path, plus
+    whether values were scaled up from [0, 1]."""
     array = _rgb_array(array, do_convert_rgb)
     scaled = False
     if array.dtype != np.uint8:
@@ -377,21 +349,62 @@ def _source(image, do_convert_rgb: bool):
     )
 
 
+def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple:
+    """(T, C, H, W) frames, T a multiple of ``temporal`` -> (patch rows in merge-window order, grid [t, h, w])."""
+    count, channels, height, width = frames.shape
+    grid = [count // temporal, height // patch, width // patch]
+    blocks = frames.reshape(grid[0], temporal, channels, grid[1] // merge, merge, patch, grid[2] // merge, merge, patch)
+    # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return blocks.reshape(grid[0] * grid[1] * grid[2], channels * temporal * patch * patch), grid
+
+
 def batch_feature(data: Dict[str, Any], return_tensors) -> BatchFeature:
     """``data`` as a ``BatchFeature``; ``return_tensors="mlx"`` gives ``mx.array`` on every pin."""
     if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
         return BatchFeature(data=data, tensor_type=return_tensors)
-    # transformers 5.x answers "mlx" with numpy arrays; give mx.array on every version.
     import mlx.core as mx
 
     arrays = BatchFeature(data=data, tensor_type="np")
-    # compass-compat: attention_mask stays numpy. mlx-vlm 0.6.3's server copies it with
-    # mx.array() on the request thread; with mlx >= 0.32's per-thread streams the generation
-    # thread cannot evaluate that copy and the server aborts ("no Stream(cpu, 1)").
+    # compass-compat: attention_mask stays numpy (mlx-vlm 0.6.3's server copies it on another thread).
     return BatchFeature(data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()})
 
 
-class CohereCompassImageProcessor(BaseImageProcessor):
+class Settings:
+    """What the image and video processors share: built from a folder's settings file, copied
+    with overrides. ``keys`` are the settings a call may override."""
+
+    kind = "image"
+    keys: Sequence[str] = IMAGE_PROCESSOR_KEYS
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """From a local checkpoint folder (its settings file picked as transformers 5.24 picks it)
+        or a settings file; ``kwargs`` as in ``from_dict``."""
+        path = Path(pretrained_model_name_or_path)
+        if path.is_file():
+            settings = read_json(path) or {}
+        elif path.is_dir():
+            settings, _ = cls.settings_file(path)
+        else:
+            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+        return cls.from_dict(settings, **kwargs)
+
+    def with_settings(self, overrides: Dict[str, Any]):
+        """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(overrides) - set(self.keys)
+        if unknown:
+            raise TypeError(f"unexpected {self.kind} processor argument(s): {sorted(unknown)}")
+        if not overrides:
+            return self
+        settings = {k: getattr(self, k) for k in self.keys if k not in ("min_pixels", "max_pixels")}
+        if "size" in overrides:
+            settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
+        return type(self)(**{**settings, **overrides})
+
+
+class CohereCompassImageProcessor(Settings, BaseImageProcessor):
     """Native-resolution patches for the cohere_compass vision tower.
 
     Each image becomes ``pixel_values`` rows of ``3 * temporal_patch_size * patch_size**2``
@@ -421,37 +434,19 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         # Checkpoints may carry spatial_merge_size (the vision config's name) or neither.
         merge_size = kwargs.pop("spatial_merge_size", merge_size)
         super().__init__(**kwargs)
-        # Legacy keys win over `size`, as in the reference (apply_pixel_keys: the one rule).
         size = apply_pixel_keys(
             {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS},
             {"size": dict(size) if size is not None else None, "min_pixels": min_pixels, "max_pixels": max_pixels},
             "image processor",
         )
-        self.size = {
-            "shortest_edge": _positive_int("size.shortest_edge (min_pixels)", size["shortest_edge"]),
-            "longest_edge": _positive_int("size.longest_edge (max_pixels)", size["longest_edge"]),
-        }
-        if self.size["shortest_edge"] > self.size["longest_edge"]:
-            raise ValueError(
-                "cohere_compass image processor: `size.shortest_edge` (min_pixels, "
-                f"{self.size['shortest_edge']}) exceeds `size.longest_edge` (max_pixels, "
-                f"{self.size['longest_edge']})"
-            )
-        self.patch_size = _positive_int("patch_size", patch_size)
-        self.merge_size = _positive_int("merge_size", merge_size)
-        self.temporal_patch_size = _positive_int("temporal_patch_size", temporal_patch_size)
+        self.size = checked_size(size)
+        self.patch_size = positive_int("patch_size", patch_size)
+        self.merge_size = positive_int("merge_size", merge_size)
+        self.temporal_patch_size = positive_int("temporal_patch_size", temporal_patch_size)
         if resample not in {int(r) for r in Image.Resampling}:
             raise ValueError(f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}")
         self.resample = int(resample)
-        if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
-            raise ValueError(
-                f"cohere_compass image processor: `rescale_factor` must be a positive number, got {rescale_factor!r}"
-            )
-        self.rescale_factor = float(rescale_factor)
-        self.image_mean = _per_channel("image_mean", image_mean)
-        self.image_std = _per_channel("image_std", image_std)
-        if 0.0 in self.image_std:
-            raise ValueError(f"cohere_compass image processor: `image_std` has a zero: {self.image_std}")
+        self.rescale_factor, self.image_mean, self.image_std = checked_values(rescale_factor, image_mean, image_std)
         self.do_resize = bool(do_resize)
         self.do_rescale = bool(do_rescale)
         self.do_normalize = bool(do_normalize)
@@ -459,16 +454,13 @@ class CohereCompassImageProcessor(BaseImageProcessor):
 
     @property
     def min_pixels(self) -> int:
-        """Smallest pixel count an image is resized to (``size["shortest_edge"]``).
-
-        Assignable, as on mlx-vlm's own image processors: hosts set it (and
-        :attr:`max_pixels`) around a request, and the next call resizes with it.
-        """
+        """Smallest pixel count an image is resized to (``size["shortest_edge"]``); assignable, as
+        on mlx-vlm's own image processors (hosts set it around a request)."""
         return self.size["shortest_edge"]
 
     @min_pixels.setter
     def min_pixels(self, value: int) -> None:
-        self.size = {**self.size, "shortest_edge": _positive_int("min_pixels", value)}
+        self.size = {**self.size, "shortest_edge": positive_int("min_pixels", value)}
 
     @property
     def max_pixels(self) -> int:
@@ -477,47 +469,24 @@ class CohereCompassImageProcessor(BaseImageProcessor):
 
     @max_pixels.setter
     def max_pixels(self, value: int) -> None:
-        self.size = {**self.size, "longest_edge": _positive_int("max_pixels", value)}
+        self.size = {**self.size, "longest_edge": positive_int("max_pixels", value)}
 
     @classmethod
     def from_dict(cls, image_processor_dict: Dict[str, Any], **kwargs):
-        # The base classes set kwargs as attributes after __init__, skipping validation.
+        # The base classes' from_dict sets kwargs as attributes after __init__, skipping validation.
         return_unused = kwargs.pop("return_unused_kwargs", False)
-        # As in transformers 5.24: kwargs update the dict, so a file's min_pixels / max_pixels
-        # still beat a `size` kwarg (see "pixel bounds" above).
+        # kwargs update the dict, so a file's min_pixels / max_pixels still beat a `size` kwarg.
         config = dict(image_processor_dict)
         overrides = {k: v for k, v in kwargs.items() if k in IMAGE_PROCESSOR_KEYS}
         unused = {k: v for k, v in kwargs.items() if k not in IMAGE_PROCESSOR_KEYS}
         processor = cls(**{**config, **overrides})
         return (processor, unused) if return_unused else processor
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """From a local folder (or its settings file), the file picked as transformers 5.24
-        picks it on every pin (4.57 would read preprocessor_config.json first); kwargs as in
-        :meth:`from_dict`. Bounds of an image processor alone: level 1 of "pixel bounds"."""
-        path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            config = read_json(path)
-        elif path.is_dir():
-            config, _ = image_processor_settings(
-                read_json(path / "processor_config.json"), read_json(path / "preprocessor_config.json")
-            )
-        else:
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
-        return cls.from_dict(config, **kwargs)
-
-    def _with_overrides(self, overrides: Dict[str, Any]) -> "CohereCompassImageProcessor":
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(overrides) - set(IMAGE_PROCESSOR_KEYS)
-        if unknown:
-            raise TypeError(f"unexpected image processor argument(s): {sorted(unknown)}")
-        if not overrides:
-            return self
-        config = {k: getattr(self, k) for k in IMAGE_PROCESSOR_KEYS if k not in ("min_pixels", "max_pixels")}
-        if "size" in overrides:
-            config["size"] = {**config["size"], **overrides.pop("size")}
-        return type(self)(**{**config, **overrides})
+    @staticmethod
+    def settings_file(folder: Path) -> tuple:
+        return image_processor_settings(
+            read_json(folder / "processor_config.json"), read_json(folder / "preprocessor_config.json")
+        )
 
     def resized_shape(self, height: int, width: int) -> tuple:
         factor = self.patch_size * self.merge_size
@@ -535,12 +504,12 @@ class CohereCompassImageProcessor(BaseImageProcessor):
         return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:
-        ip = self._with_overrides({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
+        ip = self.with_settings({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
         h, w = ip.resized_shape(height, width)
         return (h // ip.patch_size) * (w // ip.patch_size)
 
     def num_image_tokens(self, height: int, width: int, **overrides) -> int:
-        ip = self._with_overrides(overrides)
+        ip = self.with_settings(overrides)
         return ip.get_number_of_image_patches(height, width) // ip.merge_size**2
 
     def _pixels(self, image) -> np.ndarray:
@@ -570,24 +539,16 @@ class CohereCompassImageProcessor(BaseImageProcessor):
             array = (array - mean) / std
         return np.asarray(array, dtype=np.float32)
 
-    def _patchify(self, pixels: np.ndarray) -> tuple:
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        height, width, channels = pixels.shape
-        grid_h, grid_w = height // p, width // p
-        blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels)
-        # -> (block row, block col, row in block, col in block, channel, y, x)
-        blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)
-        # A still image is its own temporal_patch_size frames: repeat along a new time axis.
-        frames = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (t, p, p))
-        return frames.reshape(grid_h * grid_w, channels * t * p * p), grid_h, grid_w
-
     def preprocess(self, images, return_tensors=None, **overrides) -> BatchFeature:
-        ip = self._with_overrides(overrides)
+        ip = self.with_settings(overrides)
         rows, grids = [], []
         for image in flatten_images(images):
-            patches, grid_h, grid_w = ip._patchify(ip._pixels(image))
+            pixels = ip._pixels(image).transpose(2, 0, 1)
+            # A still image is its own temporal_patch_size frames.
+            frames = np.broadcast_to(pixels[None], (ip.temporal_patch_size, *pixels.shape))
+            patches, grid = patchify(frames, ip.patch_size, ip.merge_size, ip.temporal_patch_size)
             rows.append(patches)
-            grids.append([1, grid_h, grid_w])
+            grids.append(grid)
         if not rows:
             raise ValueError("no images to process")
         data = {
@@ -602,12 +563,8 @@ class CohereCompassImageProcessor(BaseImageProcessor):
 
 
 class GridMemo:
-    """Patch grids of recently processed pixel_values, looked up by content.
-
-    mlx-vlm 0.4.x-0.6.x fill their vision cache with ``model.encode_image(pixel_values)``
-    and pass no grid, which the pixels alone cannot determine; the processor that
-    made those pixels remembers it here. Bounded; thread-safe.
-    """
+    """Patch grids of recently processed pixel_values, by content (bounded, thread-safe): for hosts
+    that pass ``encode_image`` pixels without their grid."""
 
     def __init__(self, capacity: int = 32):
         self.capacity = capacity

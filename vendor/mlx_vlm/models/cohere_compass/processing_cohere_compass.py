@@ -1,85 +1,40 @@
-"""Torch-free processor for cohere_compass (North-Micro-Vision): tokenizer loading, prompt
+"""Torch-free processor for cohere_compass: tokenizer loading (one BOS), chat template, prompt
 expansion (images, and videos with their timestamps) and ``CohereCompassProcessor``.
 
-Behaviour follows transformers' ``CohereCompassProcessor`` (5.21+); the image processor is
-in ``image_processing_cohere_compass.py`` and the video processor in
-``video_processing_cohere_compass.py`` (their public names are re-exported here), and the
-module imports on transformers 4.57 and 5.x alike. Importing it registers nothing:
-compass_compat registers ``CohereCompassProcessor`` with ``AutoProcessor``.
-
-How the mlx-vlm pins drive a processor (read from their utils.py / prompt_utils.py /
-generate code):
-
-- Loading, every pin: ``load_processor`` calls ``AutoProcessor.from_pretrained(path,
-  **load_kwargs)`` (0.4.4 adds ``use_fast=True``), then sets ``processor.detokenizer``
-  and ``processor.tokenizer.stopping_criteria``. ``load`` swaps in
-  ``processor.image_processor`` only when the model package exports ``ImageProcessor``
-  (this one must not). ``convert`` calls ``processor.save_pretrained``.
-- Prompt: 0.3.9 uses ``processor.apply_chat_template(messages, tokenize=False,
-  add_generation_prompt=...)`` only if ``"chat_template" in processor.__dict__``; 0.4.4+
-  when ``processor.chat_template`` is not None, else the tokenizer's. 0.6.12+ add
-  ``enable_thinking=False`` when the method takes ``**kwargs``.
-- Text-only prompts never reach the processor: every pin calls
-  ``processor.tokenizer(prompts, add_special_tokens=True, ...)`` itself.
-- With images: mlx-vlm's llava path runs when ``image_processor`` is an instance of
-  *mlx-vlm's own* ``BaseImageProcessor``; ours derives from transformers' class, so the
-  processor is called as ``processor(text=..., images=[PIL...], padding=True,
-  return_tensors="mlx", add_special_tokens=True)`` (True on every pin for this model
-  type). 0.4.4+ add ``padding_side="left"`` if the signature names it; 0.7.10 also
-  forwards ``min_pixels``/``max_pixels``/``resized_height``/``resized_width`` when the
-  caller set them and the signature has ``**kwargs``. 0.3.9 retries with
-  ``return_tensors="pt"`` after any exception. Every returned key becomes a model
-  keyword argument. 0.4.4+ convert images to RGB (alpha dropped) before the call.
-- 0.7.10 reads ``image_processor.num_image_tokens(h, w, **overrides)`` for budgets.
-- Videos (0.6.x and 0.7.x; ``processor_handles_video`` is true because ``__call__`` names
-  ``videos`` and ``video_processor`` is set): mlx-vlm decodes the file itself and passes
-  ``videos=[(T, C, H, W) uint8]``, ``fps=[sampled fps]`` and (0.7.x)
-  ``video_metadata=[VideoMetadata(total_num_frames, fps, frames_indices)]``; every one of those
-  reaches ``__call__`` only because it is a named parameter there. 0.7.x first asks
-  ``video_processor.sample_frames(source_metadata, fps=..., max_frames=...)`` which frames to
-  decode when ``video_processor.sample_frames_in_loader`` is true. See the video processor's
-  docstring for how those frames and rates are read.
+transformers' ``CohereCompassProcessor`` is the reference; how each mlx-vlm pin drives a processor
+and where this departs from the reference: docs/processor.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
 
-from .image_processing_cohere_compass import (
-    DEFAULT_MERGE_SIZE,
-    GRID_MEMO,
+from .image_processing_cohere_compass import (  # noqa: F401 (pixel-bound resolution, also read from here)
     IMAGE_PROCESSOR_KEYS,
     PIXEL_BOUND_KEYS,
     CohereCompassImageProcessor,
-    PixelBounds,
     batch_feature,
-    convert_and_resize,
     flatten_images,
     image_processor_settings,
     read_json,
     read_pixel_bounds,
     resolve_pixel_bounds,
-    smart_resize,
 )
-from .video_processing_cohere_compass import (
+from .video_processing_cohere_compass import (  # noqa: F401 (what callers catch or filter around a call)
     INSTANCE_ONLY_KEYS,
     NO_FPS_TIMESTAMP_WARNING,
     VIDEO_PROCESSOR_KEYS,
     CohereCompassVideoProcessor,
-    EmptyVideoError,
     FrameContainerError,
-    FrameDtypeError,
-    FrameSizeError,
-    TooFewFramesError,
     VideoCountMismatchError,
     VideoInputError,
-    VideoMetadataError,
     VideoSettingsWarning,
     batched_videos,
     timestamps,
@@ -119,19 +74,7 @@ def load_chat_template(path: Path, tokenizer=None):
     return getattr(tokenizer, "chat_template", None)
 
 
-# ---------------------------------------------------------------- video tokens
-#
-# The published template renders a video part as <|VISION_START|><|VIDEO_PAD|><|VISION_END|>;
-# the processor replaces each <|VIDEO_PAD|> with its video's timestamped blocks. Text holding
-# the token without its video (mlx-vlm tokenizes text-only prompts through the tokenizer
-# itself) would reach the model with no frames: the tokenizer refuses it with a named error.
-
 VIDEO_TOKEN = "<|VIDEO_PAD|>"
-
-
-class VideoNotSupportedError(ValueError):
-    """Kept for code that imports it: video is supported now and this is never raised
-    (mismatched video input raises :class:`VideoInputError` subclasses)."""
 
 
 def _count_video_tokens(text) -> int:
@@ -148,23 +91,20 @@ def video_without_frames(found: int) -> VideoCountMismatchError:
     )
 
 
-def _is_image_part(part: dict) -> bool:  # the template's rule for user messages
-    return part.get("type") == "image" or "image" in part or "image_url" in part
-
-
-def _is_video_part(part: dict) -> bool:
-    return part.get("type") == "video" or "video" in part
-
-
-def _user_parts(conversation):
-    """(message index, part index, part) of the dict parts of user messages' list content."""
-    for i, message in enumerate(conversation):
-        content = message.get("content") if isinstance(message, dict) else None
+def _media(conversation) -> tuple:
+    """(images, videos) of user messages' list content, by the template's rules (None: a part
+    without its image or frames)."""
+    images, videos = [], []
+    for message in conversation:
+        content = message.get("content")
         if message.get("role") != "user" or not isinstance(content, list):
             continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict):
-                yield i, j, part
+        for part in (p for p in content if isinstance(p, dict)):
+            if part.get("type") == "image" or "image" in part or "image_url" in part:
+                images.append(_image_source(part))
+            elif part.get("type") == "video" or "video" in part:
+                videos.append(next((part[k] for k in ("video", "url", "path") if part.get(k) is not None), None))
+    return images, videos
 
 
 def _image_source(part: dict):
@@ -174,13 +114,6 @@ def _image_source(part: dict):
             value = value.get("url")
         if value is not None:
             return value
-    return None
-
-
-def _video_source(part: dict):
-    for key in ("video", "url", "path"):
-        if part.get(key) is not None:
-            return part[key]
     return None
 
 
@@ -198,14 +131,12 @@ def _load_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, OSError) as err:
-        # transformers 4.57 cannot resolve a tokenizer from an unknown model_type; the
-        # tokenizer.json alone is enough.
+        # transformers 4.57 cannot resolve a tokenizer from an unknown model_type; tokenizer.json is enough.
         if not (path / "tokenizer.json").is_file():
             raise
         logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, err)
         extra = (read_json(path / "tokenizer_config.json") or {}).get("extra_special_tokens")
-        # transformers 5 saves extra_special_tokens as a list (e.g. mlx-vlm 0.7.10's converter
-        # output); 4.57 expects a dict of named tokens: pass the list as additional_special_tokens.
+        # A list (transformers 5's format) is what 4.57 calls additional_special_tokens.
         legacy = {"extra_special_tokens": {}, "additional_special_tokens": extra} if isinstance(extra, list) else {}
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **legacy)
     if (read_json(path / "tokenizer_config.json") or {}).get("tokenizer_class") in (
@@ -218,12 +149,7 @@ def _load_tokenizer(path: Path):
 
 def _as_transformers5_cohere(tokenizer) -> None:
     """Give ``tokenizer`` the pipeline transformers 5's ``CohereTokenizer`` builds whatever
-    tokenizer.json says: NFC, digits split one by one, byte-level.
-
-    compass-compat: transformers 4.57's ``CohereTokenizerFast`` (mlx-vlm 0.3.9) and a bare
-    ``PreTrainedTokenizerFast`` keep tokenizer.json's pre-tokenizer; where that lacks the digit
-    split (the tiny checkpoint's), "<48.5 seconds>" became "48" instead of "4", "8" (measured).
-    """
+    tokenizer.json says (NFC, digits split one by one, byte-level); older classes keep the file's."""
     if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(tokenizer, "backend_tokenizer"):
         return  # transformers 5's own class, or a slow tokenizer
     from tokenizers import decoders, normalizers, pre_tokenizers
@@ -241,17 +167,12 @@ def _as_transformers5_cohere(tokenizer) -> None:
 
 
 def without_double_bos(tokenizer):
-    """Make ``tokenizer`` skip its own BOS when the text already starts with it.
+    """Make ``tokenizer`` skip its own BOS when the text already starts with it (the chat template
+    writes one) and refuse text holding the video token (no video can come with it).
 
-    Every mlx-vlm pin tokenizes text-only chat prompts with ``add_special_tokens=True``
-    straight through ``processor.tokenizer`` (and image prompts through the processor,
-    which calls it the same way), while the chat template already wrote ``{{ bos_token }}``;
-    a Cohere-style BOS post-processor would then give two BOS tokens. This is the only
-    double-BOS guard. The instance's class is swapped for a subclass (same state, same
-    name) so every caller of this tokenizer gets the fix, not only this processor. The subclass also
-    refuses text holding the video token (:class:`VideoCountMismatchError`): mlx-vlm tokenizes
-    text-only prompts itself, so no video can come with them; the processor tokenizes its
-    expanded text through ``_compass_encode_expanded``, which skips that check.
+    The instance's class is swapped for a subclass (same state, same name), so every caller of this
+    tokenizer gets the fix; the processor tokenizes its expanded text through
+    ``_compass_encode_expanded``, which skips the video check.
     """
     base = type(tokenizer)
     if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
@@ -273,81 +194,54 @@ def without_double_bos(tokenizer):
             return [t[len(bos) :] if t.startswith(bos) else t for t in text]
         return text
 
-    def __call__(self, text=None, *args, add_special_tokens=True, **kwargs):
-        if _count_video_tokens(text):
-            raise video_without_frames(_count_video_tokens(text))
-        return base.__call__(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
+    def guarded(method, refuse_video: bool = True):
+        def call(self, text=None, *args, add_special_tokens=True, **kwargs):
+            if refuse_video and _count_video_tokens(text):
+                raise video_without_frames(_count_video_tokens(text))
+            text = strip(self, text, add_special_tokens)
+            return method(self, text, *args, add_special_tokens=add_special_tokens, **kwargs)
 
-    def encode(self, text, *args, add_special_tokens=True, **kwargs):
-        if _count_video_tokens(text):
-            raise video_without_frames(_count_video_tokens(text))
-        return base.encode(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
+        return call
 
-    def encode_expanded(self, text=None, *args, add_special_tokens=True, **kwargs):
-        return base.__call__(
-            self, strip(self, text, add_special_tokens), *args, add_special_tokens=add_special_tokens, **kwargs
-        )
-
-    guarded = type(
-        base.__name__,
-        (base,),
-        {
-            "__call__": __call__,
-            "encode": encode,
-            "_compass_encode_expanded": encode_expanded,
-            "_compass_no_double_bos": True,
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-        },
+    tokenizer.__class__ = _subclass(
+        base,
+        __call__=guarded(base.__call__),
+        encode=guarded(base.encode),
+        _compass_encode_expanded=guarded(base.__call__, refuse_video=False),
+        _compass_no_double_bos=True,
     )
-    tokenizer.__class__ = guarded
     return tokenizer
 
 
-_GUARDED_DETOKENIZERS: Dict[type, type] = {}
+def _subclass(base: type, **attrs) -> type:
+    """A subclass of ``base`` under its name with ``attrs``: swapped in as an instance's class, so
+    every holder of the instance (and its copies) gets them."""
+    return type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+@functools.lru_cache(maxsize=None)
+def _skipping_class(base: type) -> type:
+    def add_token(self, token, *args, **kwargs):
+        if int(token) >= self._compass_vocab_size:
+            return None
+        return base.add_token(self, token, *args, **kwargs)
+
+    return _subclass(base, add_token=add_token, _compass_skips_padding_ids=True, _compass_original_class=base)
 
 
 def skipping_padding_ids(detokenizer, vocab_size: int):
-    """``detokenizer`` with an ``add_token`` that ignores ids >= ``vocab_size``, as
-    transformers' ``decode`` does; everything else (reset, finalize, text, last_segment,
-    tokens, tokenmap, copy(), isinstance checks of mlx-vlm's server) is the object's own.
-
-    The instance's class is swapped for a subclass, as in :func:`without_double_bos`, so
-    ``copy()`` (mlx-vlm >= 0.6 servers copy it per request) keeps the guard.
-    """
+    """``detokenizer`` with an ``add_token`` that ignores ids >= ``vocab_size``, as transformers'
+    ``decode`` does; everything else is the object's own. Its class is swapped for a subclass, as
+    in :func:`without_double_bos`, so ``copy()`` keeps the guard."""
     if detokenizer is None or getattr(detokenizer, "_compass_skips_padding_ids", False):
         return detokenizer
-    base = type(detokenizer)
-    guarded = _GUARDED_DETOKENIZERS.get(base)
-    if guarded is None:
-
-        def add_token(self, token, *args, **kwargs):
-            if int(token) >= self._compass_vocab_size:
-                return None
-            return base.add_token(self, token, *args, **kwargs)
-
-        guarded = _GUARDED_DETOKENIZERS[base] = type(
-            base.__name__,
-            (base,),
-            {
-                "add_token": add_token,
-                "_compass_skips_padding_ids": True,
-                "_compass_original_class": base,
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-            },
-        )
     try:
         detokenizer._compass_vocab_size = int(vocab_size)
-        detokenizer.__class__ = guarded
+        detokenizer.__class__ = _skipping_class(type(detokenizer))
     except (TypeError, AttributeError) as err:  # a C type or __slots__: cannot carry the guard
         logger.warning(
             "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
-            base.__name__,
+            type(detokenizer).__name__,
             err,
         )
     return detokenizer
@@ -375,22 +269,17 @@ class CohereCompassProcessor:
     ):
         if tokenizer is None:
             raise ValueError("CohereCompassProcessor needs a tokenizer")
-        # Level 2 of "pixel bounds" (image_processing_cohere_compass.py): image kwargs every
-        # call starts from. from_pretrained passes them (read from the folder's files);
-        # otherwise the tokenizer's init kwargs hold them, as transformers' ProcessorMixin does.
+        # The image and video kwargs every call starts from (level 2 of the pixel bounds): from_pretrained
+        # passes them; otherwise the tokenizer's init kwargs hold them, as in transformers' ProcessorMixin.
         init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
         if image_defaults is None:
             image_defaults = {k: init_kwargs[k] for k in PIXEL_BOUND_KEYS if init_kwargs.get(k) is not None}
         self.image_defaults = dict(image_defaults)
-        # Video settings every call starts from: the tokenizer's init kwargs that are video
-        # settings, as ProcessorMixin merges them (measured: tokenizer_config.json's `size` and
-        # `fps` apply to video calls; its min_pixels / max_pixels do not).
         if video_defaults is None:
             video_defaults = _video_call_defaults(init_kwargs)
         self.video_defaults = dict(video_defaults)
         self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
         self.video_processor = video_processor if video_processor is not None else CohereCompassVideoProcessor()
-        # The one double-BOS guard is the tokenizer's own (from_pretrained's has it already).
         self.tokenizer = without_double_bos(tokenizer)
         # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
         self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -424,7 +313,7 @@ class CohereCompassProcessor:
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
         image_processor = CohereCompassImageProcessor.from_dict(bounds.image_config, **overrides)
         if bounds.call_defaults:  # what a call without kwargs uses, so num_image_tokens agrees
-            image_processor = image_processor._with_overrides(bounds.call_defaults)
+            image_processor = image_processor.with_settings(bounds.call_defaults)
         video_processor = CohereCompassVideoProcessor.from_pretrained(path, **video_overrides)
         # transformers hands from_pretrained kwargs to the tokenizer too, so they are call defaults as well.
         video_defaults = {
@@ -484,19 +373,16 @@ class CohereCompassProcessor:
         return_metadata: bool = False,
         **kwargs,
     ) -> BatchFeature:
-        """transformers' call: ``text`` with one ``<|IMAGE_PAD|>`` per image and one
-        ``<|VIDEO_PAD|>`` per video. Videos are frames (see ``video_processing_cohere_compass``),
-        sampled from their ``video_metadata`` by ``fps`` (a number: frames per second to take;
-        a list, one per video: the rate of frames already sampled, as mlx-vlm passes it) or
-        ``num_frames``; other video settings (``cap_pixels_per_frame``, ``max_video_tokens``,
-        ``min_frames``, ``max_frames``, ``size``, ...) may be passed as keywords."""
+        """transformers' call: ``text`` with one ``<|IMAGE_PAD|>`` per image and one ``<|VIDEO_PAD|>``
+        per video. Videos are frames, sampled from their ``video_metadata`` by ``fps`` (a number:
+        frames per second to take; a list, one per video: the rate of frames already sampled) or
+        ``num_frames``; image and video settings may be passed as keywords."""
         if text is None and images is None and videos is None:
             raise ValueError("CohereCompassProcessor needs text, images, videos or a mix")
         image_kwargs = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         video_kwargs = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
         for key in {*image_kwargs, *video_kwargs}:
             kwargs.pop(key)
-        # Call kwargs over the tokenizer-level defaults (level 2 of "pixel bounds").
         image_kwargs = {**self.image_defaults, **{k: v for k, v in image_kwargs.items() if v is not None}}
         video_kwargs = {
             **self.video_defaults,
@@ -533,9 +419,8 @@ class CohereCompassProcessor:
 
         image_inputs, counts = {}, []
         if images:
-            image_processor = self.image_processor
-            image_inputs = dict(image_processor(images, **image_kwargs))
-            merge = image_kwargs.get("merge_size") or getattr(image_processor, "merge_size", DEFAULT_MERGE_SIZE)
+            image_inputs = dict(self.image_processor(images, **image_kwargs))
+            merge = image_kwargs.get("merge_size") or self.image_processor.merge_size
             counts = [int(np.prod(g)) // merge**2 for g in np.asarray(image_inputs["image_grid_thw"])]
 
         video_inputs, blocks, video_token_count, settled = {}, [], 0, []
@@ -613,15 +498,7 @@ class CohereCompassProcessor:
         here) and the processor keywords in ``kwargs`` (``video_metadata``, ``fps``, ...)."""
         template = chat_template if chat_template is not None else self.chat_template
         batch = bool(conversation) and not isinstance(conversation[0], dict)
-        call_keys = {
-            "video_metadata",
-            "fps",
-            "num_frames",
-            "do_sample_frames",
-            "return_metadata",
-            *VIDEO_PROCESSOR_KEYS,
-            *IMAGE_PROCESSOR_KEYS,
-        }
+        call_keys = {"video_metadata", *VIDEO_PROCESSOR_KEYS, *IMAGE_PROCESSOR_KEYS}
         processor_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in call_keys}
         if not tokenize:
             return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
@@ -630,12 +507,9 @@ class CohereCompassProcessor:
         return_dict = kwargs.pop("return_dict", False)
         return_tensors = kwargs.pop("return_tensors", None)
         text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-        # The parts the template renders as an image or a video: user messages only, as it decides.
-        parts = [part for _, _, part in _user_parts(conversation)]
-        images = [_image_source(part) for part in parts if _is_image_part(part)]
+        images, videos = _media(conversation)
         if any(image is None for image in images):
             raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
-        videos = [_video_source(part) for part in parts if not _is_image_part(part) and _is_video_part(part)]
         if any(v is None for v in videos):
             raise FrameContainerError(
                 "a video part carries no frames; put them in its 'video' key, or render with tokenize=False and "
@@ -651,10 +525,7 @@ class CohereCompassProcessor:
         )
         return out if return_dict else out["input_ids"]
 
-    # compass-compat: ids past the tokenizer (the published checkpoint has 255035 tokenizer
-    # entries but 262144 embedding rows) can be sampled; transformers decodes them to "",
-    # while mlx-vlm's BPEStreamingDetokenizer raises IndexError. mlx-vlm's load_processor
-    # assigns ``processor.detokenizer``: the setter makes that object skip such ids.
+    # compass-compat: the detokenizer mlx-vlm assigns skips ids past the tokenizer (padded vocabulary).
     @property
     def detokenizer(self):
         if "_detokenizer" not in self.__dict__:  # unset, as before the property existed
@@ -676,29 +547,3 @@ class CohereCompassProcessor:
             f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
             f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
         )
-
-
-# The image- and video-processing names are re-exported: hosts, compass_compat and the tests import them from here.
-__all__ = [
-    "GRID_MEMO",
-    "CohereCompassImageProcessor",
-    "CohereCompassProcessor",
-    "CohereCompassVideoProcessor",
-    "EmptyVideoError",
-    "FrameContainerError",
-    "FrameDtypeError",
-    "FrameSizeError",
-    "PixelBounds",
-    "TooFewFramesError",
-    "VideoCountMismatchError",
-    "VideoInputError",
-    "VideoMetadataError",
-    "VideoNotSupportedError",
-    "VideoSettingsWarning",
-    "convert_and_resize",
-    "flatten_images",
-    "image_processor_settings",
-    "read_pixel_bounds",
-    "resolve_pixel_bounds",
-    "smart_resize",
-]

@@ -1,12 +1,7 @@
-"""torchvision's uint8 bicubic antialiased resize, reproduced in numpy (compass-compat).
+"""torchvision's uint8 bicubic antialiased resize (the reference's video resize), in numpy, bit for bit.
 
-transformers' video processor resizes uint8 frames with torchvision (bicubic, antialias=True),
-which on the CPU runs torch's uint8 kernel: Keys' cubic (a = -0.5) stretched by the scale when
-shrinking, weights normalised per output pixel in float64, then rounded to int16 at the largest
-precision that keeps the biggest weight under 2**15; a horizontal pass, clipped to uint8, then
-a vertical pass: out = clip((sum(w * x) + 2**(p-1)) >> p, 0, 255). The integer sums are computed
-here as float64 matrix products, exact because every partial sum stays far below 2**53, so
-:func:`resize_frames` gives the reference's bytes (tests/test_video_processor.py).
+Integer weights and round-shifts as torch's CPU uint8 kernel computes them; the integer sums as
+float64 matrix products, exact below 2**53 (docs/processor.md, "The uint8 resize").
 """
 
 from __future__ import annotations

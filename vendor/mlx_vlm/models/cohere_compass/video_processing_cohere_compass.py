@@ -1,50 +1,7 @@
-"""Torch-free video processor for cohere_compass (North-Micro-Vision).
+"""Torch-free video processor for cohere_compass: settings files, frame sampling, resize, patchify.
 
-Behaviour follows transformers' ``CohereCompassVideoProcessor`` (5.24), which needs torch and
-torchvision; here numpy alone does the work, and the outputs equal the reference's on the
-recorded fixtures (tests/test_video_processor.py). What the reference does, as measured:
-
-- Settings: processor_config.json's ``video_processor`` block if that key exists, else
-  video_preprocessor_config.json, else preprocessor_config.json (the published checkpoint has
-  only this one: 65536 / 16777216 pixels); keys the winning file lacks take the class defaults
-  (size 131072 / 786432). Only ``size`` bounds video: ``min_pixels`` / ``max_pixels`` keys in
-  any file, tokenizer_config.json's included, do not. tokenizer_config.json keys that are
-  video settings (``size``, ``fps``, ...) act as call defaults, as transformers merges them.
-- Frames: sampled from the clip's metadata (``do_sample_frames``, default on): ``num_frames``
-  or ``fps`` (default 2) frames per second of the source, clamped to [min_frames 4,
-  max_frames 768] and the clip length, at ``linspace(0, total - 1, n).round()``. Without an
-  fps in the metadata it assumes 24 fps and warns. Padded to whole temporal patches by
-  repeating the last frame (5 frames -> t = 3).
-- Size: ``smart_resize`` over t*h*w within ``size``; with ``cap_pixels_per_frame`` each frame
-  is held to ``min(max_video_tokens * 32**2, longest_edge // t)`` pixels, floored at
-  ``1.05 * shortest_edge``. Unset, it warns and stays uncapped. Frames are resized as uint8
-  with torchvision's bicubic antialias kernel, whose integer arithmetic ``uint8_resize.py``
-  reproduces (bit-exact on the fixtures).
-- Values: (x - mean * 255) / (std * 255) in float32 (transformers' fused rescale and
-  normalize), patches in merge-window order -> ``pixel_values_videos`` [N, 3*2*16*16] and
-  ``video_grid_thw`` [videos, 3].
-
-compass-compat departures (the reference fails or ignores the input there):
-
-- Frames must be uint8 RGB: a (T, H, W, 3) or (T, 3, H, W) array (mlx-vlm's ``load_video``
-  gives the latter) or a list of RGB PIL images / (H, W, 3) arrays. Anything else raises a
-  :class:`VideoInputError` subclass saying what to pass; the reference guesses float scales
-  and fails on grey or RGBA PIL frames.
-- Pre-sampled frames (metadata whose ``frames_indices`` has one entry per frame while
-  ``total_num_frames`` counts the source) are not sampled again: their timestamps are
-  ``frames_indices / fps``, what the reference computes when it samples the clip itself (it
-  would index the source positions into the short array and fail). mlx-vlm 0.7.x decodes
-  files itself and passes exactly that (``sample_frames_in_loader``).
-- ``fps`` given as a list (one value per video; mlx-vlm passes ``fps=[sampled fps]``) is the
-  rate of the frames passed: they are not sampled again, and without metadata frame ``i`` is
-  at ``i / fps``. A single number keeps transformers' meaning (the sampling rate).
-- ``min_frames`` / ``max_frames`` / ``max_video_tokens`` passed to a call or to
-  :meth:`CohereCompassVideoProcessor.sample_frames` apply; the reference reads them from the
-  instance only and ignores them there silently.
-- ``num_frames`` alone samples that many frames; the reference counts its default ``fps`` as
-  given too and raises "mutually exclusive" unless ``fps=None`` is passed as well.
-- A 1-frame video (after sampling) raises :class:`TooFewFramesError` (the reference raises a
-  bare ValueError from its resize).
+transformers' ``CohereCompassVideoProcessor`` is the reference; what it does and where this departs
+from it (uint8 frames only, pre-sampled frames, per-video fps lists): docs/processor.md.
 """
 
 from __future__ import annotations
@@ -52,57 +9,33 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import threading
 import warnings
-import weakref
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
 
+from .image_processing_cohere_compass import (
+    SHARED_KEYS,
+    Settings,
+    batch_feature,
+    checked_size,
+    checked_values,
+    patchify,
+    positive_int,
+    read_json,
+    smart_resize,
+)
 from .uint8_resize import resize_frames
-
-__all__ = [
-    "CohereCompassVideoProcessor",
-    "DECODED_VIDEOS",
-    "EmptyVideoError",
-    "FrameContainerError",
-    "FrameDtypeError",
-    "FrameSizeError",
-    "SampledVideo",
-    "TooFewFramesError",
-    "VIDEO_PROCESSOR_KEYS",
-    "VideoCountMismatchError",
-    "VideoInputError",
-    "VideoMetadataError",
-    "VideoSettingsWarning",
-    "resize_frames",
-    "smart_resize_video",
-    "timestamps",
-    "video_processor_settings",
-]
 
 # transformers' CohereCompassVideoProcessor class defaults (used for keys the settings file lacks).
 DEFAULT_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
 DEFAULT_FALLBACK_FPS = 24  # the reference's assumption when metadata carries no fps
-MAX_ASPECT_RATIO = 200
 BICUBIC = 3  # PIL's id, as the settings files store it
 
 VIDEO_PROCESSOR_KEYS = (
-    "size",
-    "resample",
-    "do_resize",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_convert_rgb",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
+    *SHARED_KEYS,
     "min_frames",
     "max_frames",
     "do_sample_frames",
@@ -112,14 +45,9 @@ VIDEO_PROCESSOR_KEYS = (
     "max_video_tokens",
     "return_metadata",
 )
-"""Settings the video processor takes (from its settings file, ``from_pretrained`` or a call)."""
 
-# transformers reads these from the instance only; a call-time value is dropped (measured), so
-# tokenizer_config.json's copies never apply. compass-compat applies explicit call values.
+# transformers reads these from the instance only, so tokenizer_config.json's copies never apply.
 INSTANCE_ONLY_KEYS = ("min_frames", "max_frames", "max_video_tokens")
-
-
-# ---------------------------------------------------------------- errors and warnings
 
 
 class VideoInputError(ValueError):
@@ -176,45 +104,28 @@ UNCAPPED_WARNING = (
 
 
 def warn_video_settings(message: str) -> None:
-    # Python's default filter shows each warning once per call site, like transformers' warning_once.
+    """One of the reference's warnings; Python's default filter shows each once per call site."""
     warnings.warn(message, VideoSettingsWarning, stacklevel=2)
 
 
-# ---------------------------------------------------------------- settings files
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    if not path.is_file():
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
-    """(settings dict, its file name) as transformers 5.24 picks them for the video processor:
-    processor_config.json's ``video_processor`` block, else video_preprocessor_config.json, else
-    preprocessor_config.json (which the published checkpoint has; its image bounds apply)."""
+    """(settings dict, its file name): processor_config.json's ``video_processor`` block, else
+    video_preprocessor_config.json, else preprocessor_config.json."""
     folder = Path(folder)
-    processor_config = _read_json(folder / "processor_config.json")
+    processor_config = read_json(folder / "processor_config.json")
     if isinstance(processor_config, dict) and "video_processor" in processor_config:
         return dict(processor_config["video_processor"]), "processor_config.json video_processor"
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        config = _read_json(folder / name)
+        config = read_json(folder / name)
         if config is not None:
             return dict(config), name
     return {}, None
 
 
-# ---------------------------------------------------------------- sizes
-
-
 def smart_resize_video(
     num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
 ) -> Tuple[int, int]:
-    """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels.
-
-    The reference's rule, Python rounding included (``round`` is half-to-even).
-    """
+    """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels."""
     if num_frames < temporal_factor:
         raise TooFewFramesError(
             f"a video needs at least {temporal_factor} frames (one temporal patch) after sampling, got {num_frames}; "
@@ -223,37 +134,16 @@ def smart_resize_video(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise FrameSizeError(
-            f"video frames of {width}x{height} pixels have aspect ratio {ratio:.1f}; cohere_compass accepts at most "
-            f"{MAX_ASPECT_RATIO}. Crop or pad the frames first."
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-# ---------------------------------------------------------------- frames and metadata
+    return smart_resize(
+        height, width, factor, min_pixels, max_pixels, num_frames, temporal_factor, "video frame", FrameSizeError
+    )
 
 
 class _Frames:
-    """One video's frames, validated without copying; :meth:`take` returns (T, 3, H, W) uint8."""
+    """One video's frames, checked without copying; :meth:`take` returns (T, 3, H, W) uint8."""
 
     def __init__(self, video: Any, position: int):
         self.position = position
-        self._array: Optional[np.ndarray] = None
-        self._list: Optional[list] = None
-        self._channels_first = False
         if isinstance(video, (str, bytes, Path)):
             raise FrameContainerError(
                 f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
@@ -261,101 +151,71 @@ class _Frames:
             )
         if isinstance(video, Image.Image) or (hasattr(video, "shape") and len(video.shape) == 3):
             video = [video]  # one frame
-        if isinstance(video, (list, tuple)):
-            self._read_list(list(video))
+        is_list = isinstance(video, (list, tuple))
+        if is_list:
+            self.frames, shape = self._checked_list(list(video))
         else:
-            array = video if isinstance(video, np.ndarray) else _as_array(video, position)
-            self._read_array(array)
-
-    def _read_array(self, array: np.ndarray) -> None:
-        if array.ndim != 4:
+            self.frames = video if isinstance(video, np.ndarray) else _as_array(video, position)
+            if self.frames.ndim != 4:
+                raise FrameContainerError(
+                    f"video {position} is an array of shape {self.frames.shape}; pass (frames, height, width, 3) or "
+                    "(frames, 3, height, width) uint8, or a list of RGB PIL images"
+                )
+            _check_dtype(self.frames.dtype, position)
+            if self.frames.shape[0] == 0:
+                raise EmptyVideoError(f"video {position} has no frames; pass at least 2")
+            shape = self.frames.shape[1:]
+        # The reference's rule: channels first when the first axis could be channels (in a list, if
+        # the last one cannot).
+        self.channels_first = shape[0] == 3 and not (is_list and shape[-1] == 3)
+        if not self.channels_first and shape[-1] != 3:
             raise FrameContainerError(
-                f"video {self.position} is an array of shape {array.shape}; pass (frames, height, width, 3) or "
-                "(frames, 3, height, width) uint8, or a list of RGB PIL images"
+                f"video {position} has frames of shape {shape}: neither the first nor the last axis has 3 (RGB) "
+                "channels; convert the frames to RGB"
             )
-        _check_dtype(array.dtype, self.position)
-        if array.shape[0] == 0:
-            raise EmptyVideoError(f"video {self.position} has no frames; pass at least 2")
-        # The reference's rule: channels first when axis 1 could be channels.
-        if array.shape[1] == 3:
-            self._channels_first = True
-        elif array.shape[-1] != 3:
-            raise FrameContainerError(
-                f"video {self.position} has frames of shape {array.shape[1:]}: neither axis 1 nor the last axis has "
-                "3 (RGB) channels; convert the frames to RGB"
-            )
-        self._array = array
+        self.shape = shape
 
-    def _read_list(self, frames: list) -> None:
+    def _checked_list(self, frames: list) -> Tuple[list, tuple]:
+        """(frames, the shape of one): RGB PIL images or (H, W, 3) uint8 arrays, of one kind and size."""
         if not frames:
             raise EmptyVideoError(f"video {self.position} has no frames; pass at least 2")
-        first = frames[0]
-        if isinstance(first, Image.Image):
-            for i, frame in enumerate(frames):
-                if not isinstance(frame, Image.Image):
-                    raise FrameContainerError(
-                        f"video {self.position}: frame {i} is a {type(frame).__name__} among PIL images; "
-                        "pass one kind of frame"
-                    )
-                if frame.mode != "RGB":
-                    raise FrameContainerError(
-                        f"video {self.position}: frame {i} is a PIL image in mode {frame.mode!r}; convert the frames "
-                        "with frame.convert('RGB') first"
-                    )
-                if frame.size != first.size:
-                    raise FrameSizeError(
-                        f"video {self.position}: frame {i} is {frame.size[0]}x{frame.size[1]} but frame 0 is "
-                        f"{first.size[0]}x{first.size[1]}; every frame of a video must have the same size"
-                    )
-            self._list = frames
-            return
-        arrays = []
+        pil = isinstance(frames[0], Image.Image)
+        shape = None
         for i, frame in enumerate(frames):
-            if isinstance(frame, Image.Image):
+            where = f"video {self.position}: frame {i}"
+            if isinstance(frame, Image.Image) != pil:
+                kinds = "PIL images" if pil else "arrays"
+                raise FrameContainerError(f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame")
+            if pil and frame.mode != "RGB":
                 raise FrameContainerError(
-                    f"video {self.position}: frame {i} is a PIL image among arrays; pass one kind of frame"
+                    f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
                 )
-            array = frame if isinstance(frame, np.ndarray) else _as_array(frame, self.position)
-            if array.ndim != 3:
-                raise FrameContainerError(
-                    f"video {self.position}: frame {i} has shape {array.shape}; pass (height, width, 3) uint8 frames"
-                )
-            _check_dtype(array.dtype, self.position)
-            if array.shape != np.shape(arrays[0] if arrays else array):
+            if not pil:
+                frames[i] = frame = frame if isinstance(frame, np.ndarray) else _as_array(frame, self.position)
+                if frame.ndim != 3:
+                    raise FrameContainerError(f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames")
+                _check_dtype(frame.dtype, self.position)
+            this = (frame.height, frame.width, 3) if pil else frame.shape
+            if shape is not None and this != shape:
                 raise FrameSizeError(
-                    f"video {self.position}: frame {i} has shape {array.shape} but frame 0 has {arrays[0].shape}; "
-                    "every frame of a video must have the same size"
+                    f"{where} has shape {this} but frame 0 has {shape}; every frame of a video must have the same size"
                 )
-            arrays.append(array)
-        if arrays[0].shape[0] == 3 and arrays[0].shape[-1] != 3:
-            self._channels_first = True
-        elif arrays[0].shape[-1] != 3:
-            raise FrameContainerError(
-                f"video {self.position} has frames of shape {arrays[0].shape}; pass RGB (height, width, 3) frames"
-            )
-        self._list = arrays
+            shape = this
+        return frames, shape
 
     def __len__(self) -> int:
-        return len(self._array) if self._array is not None else len(self._list)
+        return len(self.frames)
 
     def size(self) -> Tuple[int, int]:
-        if self._array is not None:
-            shape = self._array.shape
-            return (shape[2], shape[3]) if self._channels_first else (shape[1], shape[2])
-        first = self._list[0]
-        if isinstance(first, Image.Image):
-            return first.size[1], first.size[0]
-        return first.shape[1:] if self._channels_first else first.shape[:2]
+        return tuple(self.shape[1:]) if self.channels_first else tuple(self.shape[:2])
 
     def take(self, indices: Sequence[int]) -> np.ndarray:
         """The frames at ``indices`` (repeats allowed) as a (T, 3, H, W) uint8 array."""
-        if self._array is not None:
-            frames = self._array[np.asarray(indices, dtype=np.intp)]
+        if isinstance(self.frames, np.ndarray):
+            frames = self.frames[np.asarray(indices, dtype=np.intp)]
         else:
-            frames = np.stack([np.asarray(self._list[i]) for i in indices])
-        if not self._channels_first:
-            frames = frames.transpose(0, 3, 1, 2)
-        return np.ascontiguousarray(frames)
+            frames = np.stack([np.asarray(self.frames[i]) for i in indices])
+        return np.ascontiguousarray(frames if self.channels_first else frames.transpose(0, 3, 1, 2))
 
 
 def _as_array(value: Any, position: int) -> np.ndarray:
@@ -381,9 +241,16 @@ def _check_dtype(dtype, position: int) -> None:
 
 
 def _field(metadata: Any, name: str):
-    if isinstance(metadata, dict):
-        return metadata.get(name)
-    return getattr(metadata, name, None)
+    return metadata.get(name) if isinstance(metadata, dict) else getattr(metadata, name, None)
+
+
+def _rate(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
+        error = VideoMetadataError if name.startswith("metadata") else ValueError
+        raise error(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
+    return value
 
 
 class SampledVideo(NamedTuple):
@@ -407,32 +274,7 @@ def timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_size: i
     ]
 
 
-# ---------------------------------------------------------------- the processor
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"cohere_compass video processor: `{name}` must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _per_channel(name: str, value) -> List[float]:
-    values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
-    if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
-        raise ValueError(f"cohere_compass video processor: `{name}` must be 3 finite numbers, got {value!r}")
-    return [float(v) for v in values]
-
-
-def _rate(name: str, value) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
-        error = VideoMetadataError if name.startswith("metadata") else ValueError
-        raise error(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
-    return value
-
-
-class CohereCompassVideoProcessor:
+class CohereCompassVideoProcessor(Settings):
     """Frames -> ``pixel_values_videos`` [N, 3*2*16*16] and ``video_grid_thw`` [videos, 3].
 
     Settings are the reference's (``VIDEO_PROCESSOR_KEYS``); a call may override any of them.
@@ -440,8 +282,13 @@ class CohereCompassVideoProcessor:
     while decoding a file and pass them with their metadata.
     """
 
+    kind = "video"
+    keys = VIDEO_PROCESSOR_KEYS
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
     sample_frames_in_loader = True
+    # Set by a host whose loader decodes files without naming the frames it took (mlx-vlm 0.6.x):
+    # (frames, video processor, (min_frames, max_frames)) -> (frames, metadata) of that file, or None.
+    reread_decoded: Optional[Callable[..., Optional[tuple]]] = None
 
     def __init__(
         self,
@@ -471,12 +318,7 @@ class CohereCompassVideoProcessor:
         size = {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})} if size is not None else DEFAULT_SIZE
         if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
             raise ValueError(f"cohere_compass video processor: `size` needs shortest_edge and longest_edge, got {size}")
-        self.size = {
-            "shortest_edge": _positive_int("size.shortest_edge", size["shortest_edge"]),
-            "longest_edge": _positive_int("size.longest_edge", size["longest_edge"]),
-        }
-        if self.size["shortest_edge"] > self.size["longest_edge"]:
-            raise ValueError(f"cohere_compass video processor: size.shortest_edge exceeds size.longest_edge: {size}")
+        self.size = checked_size(size, "video")
         if int(resample) != BICUBIC:
             raise ValueError(
                 f"cohere_compass video processor: only bicubic resampling (3) is implemented, got {resample!r}"
@@ -484,28 +326,22 @@ class CohereCompassVideoProcessor:
         self.resample = BICUBIC
         self.do_resize = bool(do_resize)
         self.do_rescale = bool(do_rescale)
-        if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
-            raise ValueError(f"cohere_compass video processor: `rescale_factor` must be positive, got {rescale_factor}")
-        self.rescale_factor = float(rescale_factor)
         self.do_normalize = bool(do_normalize)
-        self.image_mean = _per_channel("image_mean", image_mean)
-        self.image_std = _per_channel("image_std", image_std)
-        if 0.0 in self.image_std:
-            raise ValueError(f"cohere_compass video processor: `image_std` has a zero: {self.image_std}")
+        self.rescale_factor, self.image_mean, self.image_std = checked_values(
+            rescale_factor, image_mean, image_std, "video"
+        )
         self.do_convert_rgb = bool(do_convert_rgb)
-        self.patch_size = _positive_int("patch_size", patch_size)
-        self.temporal_patch_size = _positive_int("temporal_patch_size", temporal_patch_size)
-        self.merge_size = _positive_int("merge_size", kwargs.pop("spatial_merge_size", merge_size))
-        self.min_frames = _positive_int("min_frames", min_frames)
-        self.max_frames = _positive_int("max_frames", max_frames)
+        self.patch_size = positive_int("patch_size", patch_size, "video")
+        self.temporal_patch_size = positive_int("temporal_patch_size", temporal_patch_size, "video")
+        self.merge_size = positive_int("merge_size", kwargs.pop("spatial_merge_size", merge_size), "video")
+        self.min_frames = positive_int("min_frames", min_frames, "video")
+        self.max_frames = positive_int("max_frames", max_frames, "video")
         self.do_sample_frames = bool(do_sample_frames)
         self.fps = _rate("fps", fps)
-        self.num_frames = None if num_frames is None else _positive_int("num_frames", num_frames)
+        self.num_frames = None if num_frames is None else positive_int("num_frames", num_frames, "video")
         self.cap_pixels_per_frame = None if cap_pixels_per_frame is None else bool(cap_pixels_per_frame)
-        self.max_video_tokens = _positive_int("max_video_tokens", max_video_tokens)
+        self.max_video_tokens = positive_int("max_video_tokens", max_video_tokens, "video")
         self.return_metadata = bool(return_metadata)
-
-    # ------------------------------------------------------------ construction
 
     @classmethod
     def from_dict(cls, settings: Dict[str, Any], **kwargs) -> "CohereCompassVideoProcessor":
@@ -513,49 +349,27 @@ class CohereCompassVideoProcessor:
         merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
         return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "CohereCompassVideoProcessor":
-        """From a local checkpoint folder, the settings file chosen as transformers 5.24 does."""
-        path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            settings = _read_json(path) or {}
-        elif path.is_dir():
-            settings, _ = video_processor_settings(path)
-        else:
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
-        return cls.from_dict(settings, **kwargs)
+    @staticmethod
+    def settings_file(folder: Path) -> tuple:
+        return video_processor_settings(folder)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The settings, as ``save_pretrained`` writes them."""
         out = {k: getattr(self, k) for k in VIDEO_PROCESSOR_KEYS}
         out["size"] = dict(self.size)
         out["video_processor_type"] = "CohereCompassVideoProcessor"
         return out
 
     def save_pretrained(self, save_directory) -> List[str]:
+        """Write video_preprocessor_config.json; returns its path."""
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
         target = path / "video_preprocessor_config.json"
         target.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
         return [str(target)]
 
-    def with_settings(self, overrides: Dict[str, Any]) -> "CohereCompassVideoProcessor":
-        """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        unknown = set(overrides) - set(VIDEO_PROCESSOR_KEYS)
-        if unknown:
-            raise TypeError(f"unexpected video processor argument(s): {sorted(unknown)}")
-        if not overrides:
-            return self
-        settings = self.to_dict()
-        settings.pop("video_processor_type")
-        if "size" in overrides:
-            settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
-        return type(self)(**{**settings, **overrides})
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
-
-    # ------------------------------------------------------------ sampling
 
     def sample_frames(
         self, metadata: Any, num_frames: Optional[int] = None, fps: Optional[float] = None, **kwargs
@@ -564,8 +378,8 @@ class CohereCompassVideoProcessor:
         (``total_num_frames`` and ``fps``; a dict, transformers' or mlx-vlm's ``VideoMetadata``).
 
         ``num_frames`` and ``fps`` are mutually exclusive; with neither, ``self.num_frames`` or
-        ``self.fps`` (2). ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's
-        (mlx-vlm 0.7.x passes ``max_frames``); other kwargs are ignored, as in the reference.
+        ``self.fps``. ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's; other
+        kwargs are ignored, as in the reference.
         """
         indices, _ = self._sample(metadata, num_frames, fps, kwargs.get("min_frames"), kwargs.get("max_frames"))
         return indices
@@ -582,8 +396,8 @@ class CohereCompassVideoProcessor:
             raise VideoMetadataError(f"video metadata needs total_num_frames, a positive integer; got {total!r}")
         total = int(total)
         source_fps = _rate("metadata fps", _field(metadata, "fps"))
-        min_frames = self.min_frames if min_frames is None else _positive_int("min_frames", min_frames)
-        max_frames = self.max_frames if max_frames is None else _positive_int("max_frames", max_frames)
+        min_frames = self.min_frames if min_frames is None else positive_int("min_frames", min_frames, "video")
+        max_frames = self.max_frames if max_frames is None else positive_int("max_frames", max_frames, "video")
         if num_frames is None and fps is None:
             num_frames, fps = (self.num_frames, None) if self.num_frames is not None else (None, self.fps)
         if num_frames is None and fps is not None:
@@ -596,7 +410,7 @@ class CohereCompassVideoProcessor:
         elif num_frames is None:
             count = min(max(total, min_frames), max_frames)
         else:
-            count = _positive_int("num_frames", num_frames)
+            count = positive_int("num_frames", num_frames, "video")
         return np.linspace(0, total - 1, count).round().astype(int), source_fps
 
     def _settle(self, video: "_Frames", metadata: Any, do_sample_frames: bool, fps, num_frames, limits) -> SampledVideo:
@@ -604,7 +418,7 @@ class CohereCompassVideoProcessor:
         count = len(video)
         passed = list(range(count))
         if isinstance(fps, (list, tuple)) and metadata is None:
-            # mlx-vlm 0.6.x: frames it sampled itself, at this rate; never sampled again.
+            # Frames a loader sampled itself, at this rate: never sampled again.
             return SampledVideo(passed, passed, _rate("fps", fps[video.position]), count)
         if metadata is None:
             metadata = {"total_num_frames": count}
@@ -615,7 +429,7 @@ class CohereCompassVideoProcessor:
             # Pre-sampled (mlx-vlm 0.7.x's loader): the indices name source positions, not ours.
             return SampledVideo(passed, [int(i) for i in given], source_fps, total)
         if not do_sample_frames or isinstance(fps, (list, tuple)):
-            # Frames as passed; a per-video fps list (mlx-vlm) is their rate: never sampled again.
+            # Frames as passed; a per-video fps list is their rate.
             if given is None:
                 if total != count:
                     raise VideoMetadataError(
@@ -639,8 +453,6 @@ class CohereCompassVideoProcessor:
             )
         indices = indices.tolist()
         return SampledVideo(indices, indices, source_fps, int(total))
-
-    # ------------------------------------------------------------ sizes
 
     def resized_shape(self, num_frames: int, height: int, width: int) -> Tuple[int, int]:
         """(height, width) the frames of a ``num_frames``-frame video are resized to."""
@@ -669,8 +481,6 @@ class CohereCompassVideoProcessor:
         grid_t = -(-num_frames // vp.temporal_patch_size)
         return grid_t * (h // vp.patch_size) * (w // vp.patch_size)
 
-    # ------------------------------------------------------------ pixels
-
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
         """uint8 (T, 3, H, W) -> float32, transformers' fused rescale + normalize, bit for bit."""
         x = frames.astype(np.float32)
@@ -685,57 +495,35 @@ class CohereCompassVideoProcessor:
             return x * np.float32(self.rescale_factor) if self.do_rescale else x
         return (x - mean[:, None, None]) / std[:, None, None]
 
-    def _patchify(self, pixels: np.ndarray) -> Tuple[np.ndarray, List[int]]:
-        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
-        count, channels, height, width = pixels.shape
-        if count % tp:
-            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], tp - count % tp, axis=0)])
-            count = pixels.shape[0]
-        grid = [count // tp, height // p, width // p]
-        blocks = pixels.reshape(grid[0], tp, channels, grid[1] // m, m, p, grid[2] // m, m, p)
-        # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
-        blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return blocks.reshape(grid[0] * grid[1] * grid[2], channels * tp * p * p), grid
-
     def _process_video(self, video: "_Frames", sampled: SampledVideo) -> Tuple[np.ndarray, List[int]]:
-        """(patches, grid) of one video's sampled frames."""
+        """(patches, grid) of one video's sampled frames, padded to whole temporal patches."""
         height, width = video.size()
         target = self.resized_shape(len(sampled.positions), height, width)
         frames = video.take(sampled.positions)
         if self.do_resize:
             frames = resize_frames(frames, *target)
-        return self._patchify(self._normalized(frames))
+        pixels = self._normalized(frames)
+        tp = self.temporal_patch_size
+        if len(pixels) % tp:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], tp - len(pixels) % tp, axis=0)])
+        return patchify(pixels, self.patch_size, self.merge_size, tp)
 
-    def preprocess(
-        self,
-        videos,
-        video_metadata=None,
-        return_tensors=None,
-        **overrides,
-    ):
+    def preprocess(self, videos, video_metadata=None, return_tensors=None, **overrides):
         """Process ``videos`` (one video or a list); returns a ``BatchFeature`` with
         ``pixel_values_videos`` and ``video_grid_thw`` (and ``video_metadata`` if asked)."""
-        from transformers.feature_extraction_utils import BatchFeature
-
-        data, settled = self.run(videos, video_metadata, **overrides)
+        data, settled = self.run_batched(batched_videos(videos), video_metadata, **overrides)
+        out = batch_feature(data, return_tensors)
         if overrides.get("return_metadata", self.return_metadata):
-            data["video_metadata"] = [s._asdict() for s in settled]
-        if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
-            return BatchFeature(data=data, tensor_type=return_tensors)
-        import mlx.core as mx
-
-        return BatchFeature(data={k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in data.items()})
+            out["video_metadata"] = [s._asdict() for s in settled]
+        return out
 
     __call__ = preprocess
-
-    def run(self, videos, video_metadata=None, **overrides) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
-        """({pixel_values_videos, video_grid_thw}, what sampling settled for each video)."""
-        return self.run_batched(batched_videos(videos), video_metadata, **overrides)
 
     def run_batched(
         self, items: list, video_metadata=None, **overrides
     ) -> Tuple[Dict[str, np.ndarray], List[SampledVideo]]:
-        """:meth:`run` on a list of videos (:func:`batched_videos`)."""
+        """({pixel_values_videos, video_grid_thw}, what sampling settled for each video) of a list
+        of videos (:func:`batched_videos`)."""
         fps = overrides.pop("fps", None)
         num_frames = overrides.pop("num_frames", None)
         do_sample = overrides.pop("do_sample_frames", None)
@@ -750,9 +538,9 @@ class CohereCompassVideoProcessor:
         metadata = batched_metadata(video_metadata, len(items))
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
-            if meta is None and isinstance(fps, (list, tuple)):
-                found = DECODED_VIDEOS.reread(video, vp, limits)
-                if found is not None:  # a file mlx-vlm 0.6.x decoded: the reference's frames of it
+            if meta is None and isinstance(fps, (list, tuple)) and self.reread_decoded is not None:
+                found = self.reread_decoded(video, vp, limits)
+                if found is not None:  # frames a loader decoded from a file: the reference's frames of it
                     video, meta = found
             frames = _Frames(video, position)
             sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
@@ -765,59 +553,6 @@ class CohereCompassVideoProcessor:
             "video_grid_thw": np.asarray(grids, dtype=np.int64),
         }
         return data, settled
-
-
-class DecodedVideos:
-    """Clips mlx-vlm decoded from files without saying which frames it took.
-
-    mlx-vlm 0.6.x's ``load_video(path, fps=...)`` samples by its own rule (an even number of
-    frames) and returns only the frames and a rate. compass-compat's shim remembers each such
-    result here (by identity, weakly) with its file and requested rate, and sets ``reader``;
-    the processor then reads that file's frames by the reference's rule, with their source
-    positions, instead of the approximate ones it was handed.
-    """
-
-    def __init__(self, capacity: int = 16):
-        self.capacity = capacity
-        self.reader = None  # (path, sampler) -> (frames (T, H, W, 3) uint8, metadata), set by the shim
-        self._entries: "OrderedDict[int, Tuple[Any, str, float]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def remember(self, frames: Any, path: str, fps: float) -> None:
-        try:
-            ref = weakref.ref(frames)
-        except TypeError:
-            return
-        with self._lock:
-            self._entries[id(frames)] = (ref, path, fps)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-    def recall(self, frames: Any) -> Optional[Tuple[str, float]]:
-        with self._lock:
-            entry = self._entries.get(id(frames))
-        if entry is None or entry[0]() is not frames:
-            return None
-        return entry[1], entry[2]
-
-    def reread(self, frames: Any, video_processor: "CohereCompassVideoProcessor", limits) -> Optional[tuple]:
-        """(frames, metadata) of the remembered file by the reference's rule, or None."""
-        source = self.recall(frames)
-        if source is None or self.reader is None:
-            return None
-        path, fps = source
-        min_frames, max_frames = limits
-        frames, meta = self.reader(
-            path, lambda m: video_processor.sample_frames(m, fps=fps, min_frames=min_frames, max_frames=max_frames)
-        )
-        return frames, {
-            "total_num_frames": meta.total_num_frames,
-            "fps": meta.fps,
-            "frames_indices": meta.frames_indices,
-        }
-
-
-DECODED_VIDEOS = DecodedVideos()
 
 
 def batched_videos(videos) -> list:
