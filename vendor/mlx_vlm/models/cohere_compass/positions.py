@@ -35,6 +35,7 @@ after its ring wrapped is refused: it no longer holds the tokens before the cut.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -42,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..cache import RotatingKVCache as _PinRotatingKVCache
 from .config import grid_sequence
 
 KEPT = "compass_positions"  # the attribute of a request's first cache layer holding its Kept
@@ -79,6 +81,63 @@ def delta_rows(delta: Any) -> Optional[mx.array]:
     if isinstance(delta, (int, np.integer)):
         return mx.array([int(delta)], dtype=mx.int32)
     return (delta if isinstance(delta, mx.array) else mx.array(np.asarray(delta))).reshape(-1).astype(mx.int32)
+
+
+def _row_deltas(cache: Any) -> Optional[mx.array]:
+    state = kept(cache)
+    return delta_rows(state.delta) if state is not None else None
+
+
+def _keep_rows(cache: Any, rows: Any) -> None:
+    setattr(cache, KEPT, Kept(delta=rows))
+
+
+class _KeepsRowDeltas:
+    """A batch cache made by ``merge`` of this model's request caches: each row's rope delta stays
+    with its row through ``filter``, ``extend`` and ``extract``. Hosts that prefill requests one by
+    one, merge their caches and decode with nothing but the cache (Rapid-MLX) would otherwise
+    decode picture rows at wrong positions."""
+
+    @classmethod
+    def merged(cls, caches: List[Any], request_class: type) -> Any:
+        """``cls.merge(caches)``; ``extract`` gives back ``request_class`` (the model's own)."""
+        batch = cls.merge(caches)
+        batch.request_class = request_class
+        rows = [_row_deltas(c) for c in caches]
+        if all(r is not None for r in rows):
+            _keep_rows(batch, mx.concatenate(rows).reshape(-1, 1))
+        return batch
+
+    def filter(self, batch_indices: Any) -> None:
+        rows = _row_deltas(self)
+        super().filter(batch_indices)  # type: ignore[misc]
+        if rows is not None:
+            _keep_rows(self, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1))
+
+    def extend(self, other: Any) -> None:
+        mine, theirs = _row_deltas(self), _row_deltas(other)
+        super().extend(other)  # type: ignore[misc]
+        _keep_rows(self, None if mine is None or theirs is None else mx.concatenate([mine, theirs]).reshape(-1, 1))
+
+    def extract(self, idx: int) -> Any:
+        rows = _row_deltas(self)
+        single = super().extract(idx)  # type: ignore[misc]
+        if rows is not None:
+            if type(single) in self.request_class.__bases__:
+                single.__class__ = self.request_class  # same state; keeps merge (and to_quantized) ours
+            _keep_rows(single, int(rows[idx].item()))
+        return single
+
+
+# Where the pin batches rotating caches (mlx-lm's class before mlx-vlm 0.6), a merged batch keeps
+# each row's delta. Only layer 0 keeps it (a sliding layer in the published layout); full-attention
+# layers keep the pin's exact KVCache, which mlx-vlm's prefix cache matches by type.
+_PinBatchRotatingKVCache = getattr(sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None)
+BatchRotatingKVCache = (
+    type("BatchRotatingKVCache", (_KeepsRowDeltas, _PinBatchRotatingKVCache), {"__module__": __name__})
+    if _PinBatchRotatingKVCache is not None and hasattr(_PinRotatingKVCache, "merge")
+    else None
+)
 
 
 class Issued:
@@ -385,6 +444,29 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int,
         else:  # older mlx-lm batch caches: what prepare() does
             c.left_padding = c.left_padding + mx.array(extra)
             c.offset = c.offset - mx.array(extra)
+
+
+def whole_prompt_positions(lm: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, mask: Any):
+    """``lm.get_rope_index``: a whole prompt's positions ``[3, B, L]`` (marked as counting from
+    column 0) and deltas ``[B, 1]``."""
+    for grid, token, name in (
+        (image_grid_thw, lm.image_token_id, "image_token_id"),
+        (video_grid_thw, lm.video_token_id, "video_token_id"),
+    ):
+        if grid is not None and token is None:
+            raise ValueError(f"get_rope_index needs {name}: build LanguageModel through Model")
+    position_ids, deltas = get_rope_index(
+        np.array(input_ids),
+        image_grid_thw,
+        -1 if lm.image_token_id is None else lm.image_token_id,
+        lm.spatial_merge_size,
+        attention_mask=padding_rows(mask),
+        video_grid_thw=video_grid_thw,
+        video_token_id=lm.video_token_id,
+    )
+    positions = mx.array(position_ids)
+    lm.issued.mark(positions, whole=True)
+    return positions, mx.array(deltas.reshape(-1, 1))
 
 
 def padding_rows(mask: Any) -> Optional[np.ndarray]:
