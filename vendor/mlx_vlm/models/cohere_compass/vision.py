@@ -1,8 +1,5 @@
-"""Vision tower of cohere_compass (Qwen3-VL shape with axial 2-D rotary), torch-free.
-
-Behaviour follows transformers' ``CohereCompassVisionModel``; parameter names
-mirror its module tree so checkpoints load with ``strict=True``.
-"""
+"""Vision tower of cohere_compass (Qwen3-VL shape, axial 2-D rotary): transformers'
+``CohereCompassVisionModel``, with its parameter names (checkpoints load with ``strict=True``)."""
 
 from __future__ import annotations
 
