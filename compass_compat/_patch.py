@@ -473,6 +473,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
     original = vars(utils).get("load_model", _MISSING)
     if original is _MISSING or not callable(original) or getattr(original, TAG, False):
         return
+    from . import cpu_lanes
     from .load_checks import validate_load_start
 
     @functools.wraps(original)
@@ -482,6 +483,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
         config = _local_config(model_path)
         if config is _UNREADABLE or _says_compass(config):
             validate_load_start(model_path)
+            return cpu_lanes.apply(original(model_path, *args, **kwargs))
         return original(model_path, *args, **kwargs)
 
     setattr(load_model, TAG, True)

@@ -72,7 +72,8 @@ def split_matmuls_over_cpu_lanes():
     if not is_vendored_file(importlib.import_module(PACKAGE).__file__ or ""):
         yield
         return
-    cpu_lanes = importlib.import_module("mlx_vlm.models.cohere_compass.cpu_lanes")
+    from compass_compat import cpu_lanes
+
     cpu_lanes.configure(2, min_weight_elements=0)
     yield
     cpu_lanes.configure(None, min_weight_elements=cpu_lanes._DEFAULT_MIN_ELEMENTS)

@@ -1,4 +1,5 @@
-"""CPU lanes: a split matmul or attention equals the unsplit call bit for bit."""
+"""CPU lanes (compass_compat.cpu_lanes): what a user sees is the plain model's output, bit for bit;
+the lanes are applied when a checkpoint is loaded on the CPU, and nothing is installed elsewhere."""
 
 import threading
 
@@ -7,10 +8,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from scripts._lib.parity import prefill
-from tests.lib.vendored import vendored
-
-cpu_lanes = vendored("cpu_lanes")
+from compass_compat import cpu_lanes
+from scripts._lib.parity import case_inputs, prefill
 
 
 @pytest.fixture
@@ -23,20 +22,6 @@ def lanes():
 
     yield set_lanes
     cpu_lanes._count, cpu_lanes._min_elements = saved
-
-
-PLAIN_ATTENTION = mx.fast.scaled_dot_product_attention
-
-
-def attention_calls(monkeypatch) -> list:
-    """The query shapes of every scaled_dot_product_attention call from here on."""
-    calls = []
-    monkeypatch.setattr(
-        cpu_lanes.mx.fast,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: calls.append(a[0].shape) or PLAIN_ATTENTION(*a, **kw),
-    )
-    return calls
 
 
 def _both(lanes, fn):
@@ -66,8 +51,12 @@ def _layers():
     return layers
 
 
+def _plain(layer, x):
+    return layer.as_linear(x) if "Embedding" in type(layer).__name__ else layer(x)
+
+
 @pytest.mark.parametrize("name", sorted(_layers()))
-@pytest.mark.parametrize("shape", [(7,), (2, 5)], ids=["2d", "3d"])
+@pytest.mark.parametrize("shape", [(7,), (2, 5), (1, 1)], ids=["2d", "3d", "decode-step"])
 def test_split_linear_is_bit_identical(lanes, name, shape):
     layer = _layers()[name]
     dim = layer["weight"].shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
@@ -76,22 +65,49 @@ def test_split_linear_is_bit_identical(lanes, name, shape):
     one, split = _both(lanes, lambda: cpu_lanes.linear(layer, x))
     assert one.shape == shape + (200,)
     assert mx.array_equal(one, split).item(), f"{name}: split differs by {mx.abs(one - split).max().item()}"
-    # And the unsplit path is the layer's own call.
-    plain = layer.as_linear(x) if "embedding" in name else layer(x)
-    assert mx.allclose(one, plain, atol=1e-5, rtol=1e-5).item()
+    cpu_lanes.configure(2, min_weight_elements=1 << 20)  # the default threshold: unsplit
+    assert mx.array_equal(cpu_lanes.linear(layer, x), split).item()
+    assert mx.allclose(one, _plain(layer, x), atol=1e-5, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("count", [1, 2])
+def test_quantized_layer_takes_float32_activations_on_the_cpu(lanes, dtype, count):
+    """The decoder's quantized layers compute half-precision activations in float32 (cast back);
+    the vision tower's keep the activation dtype."""
+    layer = _layers()["quantized_4bit"]
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(5)).astype(dtype)
+    lanes(count)
+    got = cpu_lanes.linear(layer, x)
+    assert got.dtype == dtype
+    assert mx.array_equal(got, layer(x.astype(mx.float32)).astype(dtype)).item()
+    assert mx.array_equal(cpu_lanes.linear(layer, x, float32_quantized=False), layer(x)).item()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_quantized_layer_in_small_chained_pieces_is_bit_identical(lanes, monkeypatch, count):
+    """bfloat16 scales with float32 activations: pieces small enough to keep casts in flight low."""
+    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(512, 128), 64, 4)
+    embedding.set_dtype(mx.bfloat16)  # scales and biases, as in a converted bf16 checkpoint
+    x = mx.random.normal((3, 128), key=mx.random.key(9))
+    whole = embedding.as_linear(x)
+    lanes(count)
+    monkeypatch.setattr(cpu_lanes, "_MAX_CAST_BYTES", 512 * 2 * 2 * 4 // 8)  # -> 8 pieces in all
+    assert mx.array_equal(whole, cpu_lanes.linear(embedding, x)).item()
 
 
 @pytest.mark.parametrize("mask", [None, "causal", "array"], ids=["no-mask", "causal", "bool-array"])
-def test_split_attention_is_bit_identical(lanes, mask):
-    key = mx.random.key(5)
-    q = mx.random.normal((1, 8, 9, 16), key=key)
+@pytest.mark.parametrize("length", [1, 9])
+def test_split_attention_is_bit_identical(lanes, mask, length):
+    q = mx.random.normal((1, 8, length, 16), key=mx.random.key(5))
     k = mx.random.normal((1, 4, 9, 16), key=mx.random.key(6))
     v = mx.random.normal((1, 4, 9, 16), key=mx.random.key(7))
     if mask == "array":
-        mask = mx.tril(mx.ones((9, 9), dtype=mx.bool_))
+        mask = mx.arange(9)[None] <= mx.arange(9 - length, 9)[:, None]
     one, split = _both(lanes, lambda: cpu_lanes.attention(q, k, v, 0.25, mask))
     assert mx.array_equal(one, split).item()
-    assert mx.allclose(one, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)).item()
+    plain = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert mx.array_equal(one, plain).item()
 
 
 def _attention_inputs(hq, hkv, length, keys, dim, dtype, batch=2):
@@ -125,12 +141,7 @@ def test_attention_in_query_blocks_is_bit_identical(lanes, monkeypatch, mask_kin
     whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     lanes(count)
     monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # the smallest blocks: 32 rows
-    calls = attention_calls(monkeypatch)
-    blocked = cpu_lanes.attention(q, k, v, 0.25, mask)
-    mx.eval(blocked)
-    # 100 queries -> 4 blocks (32, 32, 32, 4) per head group.
-    assert sorted({shape[2] for shape in calls}) == [4, 32]
-    assert mx.array_equal(whole, blocked).item()
+    assert mx.array_equal(whole, cpu_lanes.attention(q, k, v, 0.25, mask)).item()
 
 
 def test_attention_blocks_bound_peak_memory(lanes, monkeypatch):
@@ -156,15 +167,126 @@ def test_attention_blocks_bound_peak_memory(lanes, monkeypatch):
         assert blocked < scores // 3, (count, blocked)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("offset", [0, 1001, 70000, "per-row"])
+@pytest.mark.parametrize("length", [1, 37])
+def test_rope_with_shared_table_is_bit_identical(dtype, offset, length):
+    plain = nn.RoPE(128, traditional=False, base=50000.0)
+    laned = cpu_lanes.apply(nn.Sequential(nn.RoPE(128, traditional=False, base=50000.0))).layers[0]
+    if offset == "per-row":
+        offset = mx.array([5, 1001, 70000])  # a batch cache's per-row offsets
+    for heads in (4, 2, 6):  # q, k and a merged q|k all reuse the one table
+        x = mx.random.normal((3, heads, length, 128), key=mx.random.key(heads)).astype(dtype)
+        want, got = plain(x, offset=offset), laned(x, offset=offset)
+        assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+
+
+def test_rope_where_no_table_applies_is_the_plain_rotation():
+    x = mx.random.normal((1, 4, 3, 64), key=mx.random.key(4))
+    for rope, inp in [
+        (nn.RoPE(64, traditional=True, base=1e4), x),  # traditional layout
+        (nn.RoPE(32, traditional=False, base=1e4), x),  # partial rotation
+        (nn.RoPE(64, traditional=False, base=1e4), x[0]),  # 3-D input
+    ]:
+        want = rope(inp, offset=5)
+        laned = cpu_lanes.apply(nn.Sequential(rope)).layers[0]
+        assert mx.array_equal(laned(inp, offset=5), want).item()
+
+
+def test_lane_count_from_environment(monkeypatch, lanes):
+    monkeypatch.setenv(cpu_lanes.LANES_ENV, "1")
+    assert cpu_lanes.configure() == 1
+    assert cpu_lanes.lanes(1 << 30) == ()
+    monkeypatch.setenv(cpu_lanes.LANES_ENV, "2")
+    assert cpu_lanes.configure() == 2
+    assert len(cpu_lanes.lanes(1 << 30)) == 2
+    for bad in ("zero", "0", "-2"):
+        monkeypatch.setenv(cpu_lanes.LANES_ENV, bad)
+        with pytest.raises(ValueError, match=cpu_lanes.LANES_ENV):
+            cpu_lanes.configure()
+    with pytest.raises(ValueError, match="1 or more"):
+        cpu_lanes.configure(0)
+
+
+def test_small_layers_are_not_split(lanes):
+    cpu_lanes.configure(2, min_weight_elements=1 << 20)
+    assert cpu_lanes.lanes((1 << 20) - 1) == ()
+    assert len(cpu_lanes.lanes(1 << 20)) == 2
+
+
+# ---------------------------------------------------------------- a loaded model, with and without
+def _laned(model) -> list:
+    return [name for name, m in model.named_modules() if getattr(m, cpu_lanes.TAG, False)]
+
+
+def _outputs(model, reference, case, steps=3):
+    """Prefill logits, the next ``steps`` greedy ids and logits, and the picture's encoding."""
+    ref = reference(case)
+    cache = model.language_model.make_cache()
+    logits = [prefill(model, ref, cache)[-1]]
+    ids = []
+    for _ in range(steps):
+        ids.append(int(mx.argmax(logits[-1]).item()))
+        logits.append(model.language_model(mx.array([[ids[-1]]]), cache=cache).logits[0, -1])
+    out = {"logits": mx.stack(logits), "ids": ids}
+    _, pixels, extra = case_inputs(ref)
+    if pixels is not None:
+        out["encoded"] = model.encode_image(pixels, extra["image_grid_thw"])
+    mx.eval(out["logits"], out.get("encoded"))
+    return out
+
+
 @pytest.mark.parametrize("case", ["text_long", "img_two"])
-def test_split_model_logits_equal_unsplit_and_reference(lanes, tiny_ckpt_mlx, reference, case):
+def test_loaded_model_answers_the_same_with_lanes_as_without(lanes, tiny_ckpt_mlx, reference, case):
+    """Loaded on the CPU the model has its lanes: logits, greedy ids and encode_image's output are
+    the same split over the lanes as unsplit, bit for bit, and the plain model's (the lanes
+    removed). The vision tower's float32 projections of 2-D activations take transposed operands
+    on the CPU (faster on the reference BLAS), equal to the plain call within float32 rounding."""
+    from mlx_vlm.utils import load_model
+
+    lanes(2)  # threshold 0: every layer splits
+    model = load_model(tiny_ckpt_mlx)
+    assert _laned(model)
+    split = _outputs(model, reference, case)
+    cpu_lanes.configure(1, min_weight_elements=1 << 20)
+    unsplit = _outputs(model, reference, case)
+    plain = _outputs(cpu_lanes.remove(model), reference, case)
+    assert not _laned(model)
+    assert split["ids"] == unsplit["ids"] == plain["ids"]
+    for key in ("logits", "encoded"):
+        if key in plain:
+            assert mx.array_equal(split[key], unsplit[key]).item(), key
+            if case.startswith("text"):
+                assert mx.array_equal(split[key], plain[key]).item(), key
+            assert mx.allclose(split[key], plain[key], atol=1e-5, rtol=1e-5).item(), key
+    assert np.abs(np.array(split["logits"][0]) - reference(case)["prefill_logits"][-1]).max() < 1e-4
+
+
+def test_lanes_applied_to_every_projection_rotary_and_attention_on_cpu_load(tiny_ckpt_mlx):
     from mlx_vlm.utils import load_model
 
     model = load_model(tiny_ckpt_mlx)
-    ref = reference(case)
-    one, split = _both(lanes, lambda: prefill(model, ref))
-    assert mx.array_equal(one, split).item()
-    assert np.abs(np.array(split) - ref["prefill_logits"]).max() < 1e-4
+    laned = set(_laned(model))
+    expected = {
+        name
+        for name, m in model.named_modules()
+        if type(m).__name__ in ("Linear", "QuantizedLinear", "Embedding", "RoPE", "Attention")
+        or name.endswith(("q_proj", "embed_tokens", "self_attn", "attn", ".rope"))
+    }
+    assert expected and expected <= laned
+    assert not any(n == "vision_tower.patch_embed.proj" for n in laned)  # the Conv3d is its own
+
+
+def test_no_lanes_when_the_default_device_is_not_the_cpu(monkeypatch, tiny_ckpt_mlx):
+    """Metal and CUDA loads get the model as mlx-vlm builds it: no lane class anywhere."""
+    from mlx_vlm.utils import load_model
+
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(cpu_lanes.mx, "default_device", lambda: gpu)
+    model = load_model(tiny_ckpt_mlx)
+    monkeypatch.undo()
+    assert _laned(model) == []
+    assert all(type(m).__module__ != cpu_lanes.__name__ for _, m in model.named_modules())
 
 
 def test_threads_share_lanes(lanes, tiny_ckpt_mlx, reference):
@@ -190,263 +312,3 @@ def test_threads_share_lanes(lanes, tiny_ckpt_mlx, reference):
     assert not errors, errors
     for i in range(4):
         np.testing.assert_array_equal(results[i], expected)
-
-
-def test_lane_count_from_environment(monkeypatch, lanes):
-    monkeypatch.setenv(cpu_lanes.LANES_ENV, "1")
-    assert cpu_lanes.configure() == 1
-    assert cpu_lanes.lanes(1 << 30) == ()
-    monkeypatch.setenv(cpu_lanes.LANES_ENV, "2")
-    assert cpu_lanes.configure() == 2
-    assert len(cpu_lanes.lanes(1 << 30)) == 2
-    for bad in ("zero", "0", "-2"):
-        monkeypatch.setenv(cpu_lanes.LANES_ENV, bad)
-        with pytest.raises(ValueError, match=cpu_lanes.LANES_ENV):
-            cpu_lanes.configure()
-    with pytest.raises(ValueError, match="1 or more"):
-        cpu_lanes.configure(0)
-
-
-def test_small_layers_are_not_split(lanes):
-    cpu_lanes.configure(2, min_weight_elements=1 << 20)
-    assert cpu_lanes.lanes((1 << 20) - 1) == ()
-    assert len(cpu_lanes.lanes(1 << 20)) == 2
-
-
-@pytest.mark.parametrize("count", [1, 2])
-def test_quantized_layer_in_small_chained_pieces_is_bit_identical(lanes, monkeypatch, count):
-    """bfloat16 scales with float32 activations: pieces small enough to keep casts in flight low."""
-    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(512, 128), 64, 4)
-    embedding.set_dtype(mx.bfloat16)  # scales and biases, as in a converted bf16 checkpoint
-    assert embedding["scales"].dtype == mx.bfloat16
-    x = mx.random.normal((3, 128), key=mx.random.key(9))
-    whole = embedding.as_linear(x)
-    lanes(count)
-    monkeypatch.setattr(cpu_lanes, "_MAX_CAST_BYTES", 512 * 2 * 2 * 4 // 8)  # -> 8 pieces in all
-    calls = []
-    original = mx.quantized_matmul
-    monkeypatch.setattr(cpu_lanes.mx, "quantized_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
-    split = cpu_lanes.linear(embedding, x)
-    mx.eval(split)
-    assert len(calls) == 8
-    assert mx.array_equal(whole, split).item()
-
-
-# ---------------------------------------------------------------- the unsplit path is the plain call
-def _graph(*outputs) -> str:
-    """The graph of ``outputs`` as ``mx.export_to_dot`` writes it, node ids renumbered in order
-    of appearance (arrays are already lettered in order): equal strings, equal graphs."""
-    import os
-    import re
-    import tempfile
-
-    fd, path = tempfile.mkstemp(suffix=".dot")
-    os.close(fd)
-    try:
-        mx.export_to_dot(path, *outputs)
-        with open(path) as f:
-            text = f.read()
-    finally:
-        os.unlink(path)
-    ids = {}
-    return re.sub(r"\b\d{6,}\b", lambda m: str(ids.setdefault(m.group(0), len(ids))), text)
-
-
-def _plain(layer, x):
-    return layer.as_linear(x) if "embedding" in type(layer).__name__.lower() else layer(x)
-
-
-@pytest.fixture
-def no_pieces(monkeypatch):
-    """Fail if ``linear`` cuts a layer into row pieces (``_rows``); yields the calls made."""
-    calls = []
-    original = cpu_lanes._rows
-    monkeypatch.setattr(
-        cpu_lanes, "_rows", lambda layer, x, a, b, after=None: calls.append((a, b)) or original(layer, x, a, b, after)
-    )
-    return calls
-
-
-@pytest.mark.parametrize("name", sorted(_layers()))
-@pytest.mark.parametrize("count", [1, 2])
-def test_small_layer_is_the_plain_call(lanes, no_pieces, name, count):
-    """Below the threshold (or with one lane) a decoder projection is ``layer(x)``: the same graph,
-    no row pieces, and the same bits as the split result."""
-    layer = _layers()[name]
-    dim = layer["weight"].shape[1] * (32 // layer.bits if hasattr(layer, "bits") else 1)
-    dtype = mx.bfloat16 if name.endswith("bf16") else mx.float32
-    x = mx.random.normal((1, 1, dim), key=mx.random.key(2)).astype(dtype)  # a decode step's [B, L, D]
-    lanes(3)
-    split = cpu_lanes.linear(layer, x)
-    mx.eval(split)
-    assert len(no_pieces) == 3
-    no_pieces.clear()
-    cpu_lanes.configure(count, min_weight_elements=1 << 20)
-    small = cpu_lanes.linear(layer, x)
-    assert _graph(small) == _graph(_plain(layer, x))
-    assert no_pieces == []
-    assert mx.array_equal(small, split).item()
-    # With a cast, only the cast is added.
-    cast = cpu_lanes.linear(layer, x, out_dtype=mx.float16)
-    assert _graph(cast) == _graph(_plain(layer, x).astype(mx.float16))
-
-
-def test_large_layer_with_one_lane_is_the_plain_call(lanes, no_pieces):
-    layer = nn.Linear(1024, 1024, bias=False)  # exactly the default threshold (2^20 elements)
-    x = mx.random.normal((1, 1, 1024), key=mx.random.key(4))
-    cpu_lanes.configure(2, min_weight_elements=1 << 20)
-    split = cpu_lanes.linear(layer, x)
-    mx.eval(split)
-    assert len(no_pieces) == 2
-    no_pieces.clear()
-    cpu_lanes.configure(1, min_weight_elements=1 << 20)
-    whole = cpu_lanes.linear(layer, x)
-    assert no_pieces == [] and _graph(whole) == _graph(layer(x))
-    assert mx.array_equal(whole, split).item()
-
-
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
-def test_quantized_layer_takes_float32_activations_on_the_cpu(lanes, dtype):
-    """The float32 rule lives in ``linear``: half-precision activations of a quantized layer go
-    through ``quantized_matmul`` in float32, the result cast back; opted out, the plain call."""
-    layer = _layers()["quantized_4bit"]
-    x = mx.random.normal((1, 3, 128), key=mx.random.key(5)).astype(dtype)
-    lanes(1)
-    got = cpu_lanes.linear(layer, x)
-    assert got.dtype == dtype
-    assert _graph(got) == _graph(layer(x.astype(mx.float32)).astype(dtype))
-    assert _graph(cpu_lanes.linear(layer, x, float32_quantized=False)) == _graph(layer(x))
-
-
-def test_float32_2d_activations_keep_the_transposed_operands(lanes, no_pieces):
-    """Vision-tower shape ([N, D], float32 weights): one piece over all rows, as before."""
-    layer = nn.Linear(96, 200, bias=True)
-    x = mx.random.normal((7, 96), key=mx.random.key(1))
-    cpu_lanes.configure(2, min_weight_elements=1 << 20)
-    whole = cpu_lanes.linear(layer, x)
-    assert no_pieces == [(0, 200)]
-    lanes(3)
-    assert mx.array_equal(whole, cpu_lanes.linear(layer, x)).item()
-
-
-def test_decode_attention_is_one_plain_call(lanes, monkeypatch):
-    q, k, v = _attention_inputs(8, 4, 1, 40, 16, mx.float32, batch=1)
-    calls = attention_calls(monkeypatch)
-    lanes(2)  # threshold 0: split over the lanes by KV-head groups
-    split = cpu_lanes.attention(q, k, v, 0.25, None)
-    assert calls == [(1, 4, 1, 16), (1, 4, 1, 16)]
-    calls.clear()
-    for count in (1, 2):
-        cpu_lanes.configure(count, min_weight_elements=1 << 20)
-        out = cpu_lanes.attention(q, k, v, 0.25, None)
-        assert calls == [(1, 8, 1, 16)]
-        calls.clear()
-        assert _graph(out) == _graph(PLAIN_ATTENTION(q, k, v, scale=0.25, mask=None))
-        assert mx.array_equal(out, split).item()
-
-
-def _decode_logits(model, ref, steps=3):
-    cache = model.language_model.make_cache()
-    logits = [prefill(model, ref, cache)[-1]]
-    for token in ref["greedy_ids"][: steps - 1]:
-        logits.append(model.language_model(mx.array([[int(token)]]), cache=cache).logits[0, -1])
-    out = mx.stack(logits)
-    mx.eval(out)
-    return out
-
-
-@pytest.mark.parametrize("count", [1, 2])
-def test_tiny_model_decode_takes_the_plain_path(lanes, no_pieces, tiny_ckpt_mlx, reference, count):
-    """Default threshold: every tiny-model layer is the plain call, bit-identical to all split."""
-    from mlx_vlm.utils import load_model
-
-    model = load_model(tiny_ckpt_mlx)
-    ref = reference("text_long")
-    lanes(2)
-    split = _decode_logits(model, ref)
-    assert no_pieces
-    no_pieces.clear()
-    cpu_lanes.configure(count, min_weight_elements=1 << 20)
-    plain = _decode_logits(model, ref)
-    assert no_pieces == []
-    assert mx.array_equal(plain, split).item()
-
-
-def test_off_the_cpu_the_dispatch_adds_no_op(lanes, monkeypatch, tiny_ckpt_mlx):
-    """With MLX's default device reported as the GPU, the decoder's graph (a 3-token chunk and a
-    decode step, every layer and the head) is exactly the graph of the same model with
-    ``cpu_lanes`` replaced by the plain calls (``layer(x)``, ``as_linear`` for the tied head,
-    ``mx.fast.scaled_dot_product_attention``), which is what upstream's layers call. The graph is
-    still built on the CPU stream; only the Python branches see another device."""
-    from mlx_vlm.utils import load_model
-
-    lm = load_model(tiny_ckpt_mlx).language_model
-    lanes(2)  # threshold 0: on the CPU, everything would split
-
-    def graphs():
-        cache = lm.make_cache()
-        mx.eval(lm(mx.array([[5, 6, 7, 8]]), cache=cache).logits)
-        mx.eval([c.state for c in cache])
-        chunk = lm(mx.array([[9, 10, 11]]), cache=cache).logits
-        out = [_graph(chunk)]
-        mx.eval(chunk)
-        mx.eval([c.state for c in cache])
-        return out + [_graph(lm(mx.array([[12]]), cache=cache).logits)]
-
-    gpu = mx.Device(mx.gpu)
-    monkeypatch.setattr(mx, "default_device", lambda: gpu)
-    dispatched = graphs()
-    monkeypatch.setattr(cpu_lanes, "linear", lambda layer, x, out_dtype=None: _plain(layer, x))
-    monkeypatch.setattr(
-        cpu_lanes,
-        "attention",
-        lambda q, k, v, scale, mask=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
-    )
-    assert graphs() == dispatched
-
-
-# ---------------------------------------------------------------- rope with one table per forward
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("offset", [0, 1001, 70000, "per-row"])
-@pytest.mark.parametrize("length", [1, 37])
-def test_rope_with_shared_table_is_bit_identical(dtype, offset, length):
-    rope = nn.RoPE(128, traditional=False, base=50000.0)
-    if offset == "per-row":
-        offset = mx.array([5, 1001, 70000])  # a batch cache's per-row offsets
-    tables = {}
-    for heads in (4, 2, 6):  # q, k, and a merged q|k all reuse the one table
-        x = mx.random.normal((3, heads, length, 128), key=mx.random.key(heads)).astype(dtype)
-        plain = rope(x, offset=offset)
-        shared = cpu_lanes.rope(rope, x, offset, tables)
-        assert shared.dtype == plain.dtype and mx.array_equal(shared, plain).item()
-    assert len({k[:7] for k in tables}) == 1  # one table (plus its broadcasts per shape)
-
-
-def test_rope_table_made_once_per_forward(monkeypatch):
-    ropes = [nn.RoPE(64, traditional=False, base=20000.0) for _ in range(3)]  # one per layer, equal
-    calls = []
-    original = mx.fast.rope
-    monkeypatch.setattr(cpu_lanes.mx.fast, "rope", lambda x, *a, **kw: calls.append(x.shape) or original(x, *a, **kw))
-    tables = {}
-    x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3))
-    outs = [cpu_lanes.rope(r, x, 9, tables) for r in ropes]
-    assert calls == [(1, 1, 1, 64)]  # the probe only
-    for out in outs:
-        assert mx.array_equal(out, original(x, 64, traditional=False, base=20000.0, scale=1.0, offset=9)).item()
-
-
-def test_rope_plain_call_where_no_table_applies(monkeypatch):
-    x = mx.random.normal((1, 4, 3, 64), key=mx.random.key(4))
-    cases = [
-        (nn.RoPE(64, traditional=False, base=1e4), x, None),  # no tables given
-        (nn.RoPE(64, traditional=True, base=1e4), x, {}),  # traditional layout
-        (nn.RoPE(32, traditional=False, base=1e4), x, {}),  # partial rotation
-        (nn.RoPE(64, traditional=False, base=1e4), x[0], {}),  # 3-D input
-    ]
-    for rope, inp, tables in cases:
-        assert _graph(cpu_lanes.rope(rope, inp, 5, tables)) == _graph(rope(inp, offset=5))
-        assert not tables  # None or still empty
-    gpu = mx.Device(mx.gpu)
-    monkeypatch.setattr(mx, "default_device", lambda: gpu)
-    rope, tables = nn.RoPE(64, traditional=False, base=1e4), {}
-    assert _graph(cpu_lanes.rope(rope, x, 5, tables)) == _graph(rope(x, offset=5)) and not tables

@@ -97,20 +97,21 @@ def test_quantized_attention_blocks_equal_whole_call(monkeypatch):
     are those of the whole call, bit for bit."""
     from mlx_vlm.models import base
 
-    cpu_lanes = vendored("cpu_lanes")
+    from compass_compat import cpu_lanes
+
     rng = np.random.default_rng(0)
     q = mx.array(rng.standard_normal((1, 4, 96, 32)).astype(np.float32))
     k, v = (mx.quantize(mx.array(rng.standard_normal((1, 2, 96, 32)).astype(np.float32)), 32, 8) for _ in range(2))
     cache = type("Quantized", (), {"bits": 8, "group_size": 32})()
     mask = mx.arange(96)[None] <= mx.arange(96)[:, None]
 
-    def attend(queries, scale, mask):
+    def attend(queries, mask):
         # A copy: mlx-vlm's quantized helper scales its queries in place (queries *= scale).
-        return base.scaled_dot_product_attention(queries + 0, k, v, cache=cache, scale=scale, mask=mask)
+        return base.scaled_dot_product_attention(queries + 0, k, v, cache=cache, scale=0.25, mask=mask)
 
-    whole = attend(q, scale=0.25, mask=mask)
+    whole = attend(q, mask)
     monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # 32-row blocks
-    blocked = cpu_lanes.quantized_attention(q, attend, 0.25, mask)
+    blocked = cpu_lanes.quantized_attention(q, attend, mask)
     assert np.array_equal(np.array(blocked), np.array(whole))
 
 

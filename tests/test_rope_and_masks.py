@@ -32,7 +32,7 @@ def test_general_path_matches_the_formula():
     rot, rng = _rotary(), np.random.default_rng(0)
     x = rng.standard_normal((1, 2, 5, 16)).astype(np.float32)
     pos = rng.integers(0, 40, size=(3, 1, 5))
-    out = np.array(rot.apply(mx.array(x), positions.Positions(explicit=mx.array(pos))))
+    out = np.array(rot(mx.array(x), positions.Positions(explicit=mx.array(pos))))
     inv = 50000.0 ** (-np.arange(0, 16, 2) / 16)
     axis = lang.mrope_axis_table((4, 2, 2), 8)
     ang = np.stack([pos[axis[j], 0] * inv[j] for j in range(8)], axis=-1)  # [L, 8]
@@ -46,8 +46,8 @@ def test_equal_axes_fast_path_equals_general_path():
     rot = _rotary()
     x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 7, 16)).astype(np.float32))
     ids = mx.broadcast_to((mx.arange(7) + 13)[None, None], (3, 1, 7))
-    fast = rot.apply(x, positions.Positions(offset=13))
-    general = rot.apply(x, positions.Positions(explicit=ids))
+    fast = rot(x, positions.Positions(offset=13))
+    general = rot(x, positions.Positions(explicit=ids))
     assert mx.abs(fast - general).max().item() < 1e-5
 
 
@@ -71,7 +71,7 @@ def _tiny_text():
 
 def test_full_layers_have_no_rotation_and_sliding_layers_do():
     model = lang.LanguageModel(_tiny_text())
-    kinds = [(layer.layer_type, layer.self_attn._rotary is not None) for layer in model.layers]
+    kinds = [(layer.layer_type, layer.self_attn.rotary is not None) for layer in model.layers]
     assert kinds == [("sliding_attention", True), ("full_attention", False)] * 2
 
 

@@ -109,8 +109,8 @@ class MLXRunner:
         self.file = info.file
         self._replay = None
         self.cpu_lanes = 1
-        if impl == "ours":  # CPU lanes (vendored cpu_lanes.py): streams a large matmul is split over
-            from mlx_vlm.models.cohere_compass import cpu_lanes
+        if impl == "ours":  # CPU lanes (compass_compat/cpu_lanes.py): streams a large matmul is split over
+            from compass_compat import cpu_lanes
 
             self.cpu_lanes = max(1, len(cpu_lanes.lanes(1 << 30)))
 

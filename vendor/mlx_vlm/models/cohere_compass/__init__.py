@@ -10,9 +10,8 @@ from .cohere_compass import (
 from .config import ModelConfig, TextConfig, VisionConfig
 from .processing_cohere_compass import CohereCompassImageProcessor, CohereCompassProcessor
 
-# compass-compat: no ``ImageProcessor`` export on purpose. mlx-vlm's loader would then
-# rebuild the image processor from config.json alone and drop preprocessor_config.json
-# (min/max pixels, mean/std); the processor built by AutoProcessor keeps them.
+# compass-compat: no ``ImageProcessor`` export: mlx-vlm's loader would rebuild it from config.json
+# alone and drop preprocessor_config.json (pixel bounds, mean/std).
 
 __all__ = [
     "CohereCompassImageProcessor",

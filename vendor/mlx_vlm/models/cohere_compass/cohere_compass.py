@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import threading
-import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -15,7 +13,7 @@ import numpy as np
 from .config import ModelConfig, grid_sequence, weight_key
 from .image_processing_cohere_compass import GRID_MEMO
 from .language import LanguageModel
-from .positions import IMAGE, VIDEO, get_rope_index, padding_rows
+from .positions import IMAGE, VIDEO, Issued, get_rope_index, padding_rows
 from .vision import VisionModel
 
 # Keys of the dict that encode_image returned before it returned one array; still accepted.
@@ -33,11 +31,8 @@ CachedFeatures = Union[mx.array, Sequence[mx.array], Dict[str, mx.array]]
 
 @dataclass
 class CompassEmbeddings:
-    """What ``get_input_embeddings`` hands to the decoder.
-
-    Our own type: mlx-vlm 0.3.10-0.4.4's ``InputEmbeddingsFeatures`` has no
-    position fields.
-    """
+    """What ``get_input_embeddings`` hands to the decoder (mlx-vlm 0.3.10-0.4.4's
+    ``InputEmbeddingsFeatures`` has no position fields)."""
 
     inputs_embeds: mx.array
     position_ids: Optional[mx.array] = None
@@ -93,21 +88,12 @@ class Model(nn.Module):
         return self.language_model.model.layers
 
     def encode_image(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None) -> mx.array:
-        """Run the vision tower once so a host can cache and replay the result.
-
-        Args:
-            pixel_values: ``[num_patches, C*T*P*P]`` as the processor returns them.
-            image_grid_thw: ``[num_images, 3]`` patch grids of those images.
-
-        Returns:
-            ``[N, (1 + K) * D]``: one row per merged image token of all images in
-            prompt order, the merger's features followed by the K deepstack
-            features (D = text hidden size). Rows of one image can be sliced out
-            (:func:`split_image_features`) and images joined with
-            ``mx.concatenate(..., axis=0)``. Pass it back as
-            ``get_input_embeddings(..., cached_image_features=...)``; the logits
-            equal the uncached path exactly.
-        """
+        """The vision tower's output for a host to cache and replay: ``[N, (1 + K) * D]``, a row per
+        merged image token of all images (``pixel_values`` ``[patches, C*T*P*P]``, grids
+        ``image_grid_thw`` ``[images, 3]``) in prompt order, the merger's features then the K
+        deepstack ones. Split per image with :func:`split_image_features`, join with
+        ``mx.concatenate(..., axis=0)``; ``get_input_embeddings(..., cached_image_features=...)``
+        gives the uncached path's logits exactly."""
         if image_grid_thw is None:
             # mlx-vlm 0.4.x-0.6.x call encode_image(pixel_values) with no grid.
             image_grid_thw = GRID_MEMO.recall(pixel_values)
@@ -120,7 +106,7 @@ class Model(nn.Module):
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
         encoded = mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
-        FEATURE_SOURCES.remember(encoded, pixel_values, image_grid_thw)
+        FEATURE_SOURCES.mark(encoded, fingerprint=_pixel_fingerprint(pixel_values, image_grid_thw))
         return encoded
 
     def encode_video(self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None) -> mx.array:
@@ -176,16 +162,12 @@ class Model(nn.Module):
         cached_video_features: Optional[CachedFeatures] = None,
         **kwargs,
     ) -> CompassEmbeddings:
-        """Token embeddings with image and video features scattered in, plus MRoPE positions.
+        """Token embeddings with image and video features scattered in, and MRoPE positions.
 
-        Images come from ``pixel_values`` + ``image_grid_thw`` and videos from
-        ``pixel_values_videos`` + ``video_grid_thw`` (as the processor returns them)
-        or, without running the tower, from ``cached_image_features`` /
-        ``cached_video_features`` (``encode_image``'s array, a list of such arrays in
-        prompt order, or the older dict form). The deepstack features come back
-        dense, ``[B, L, K, D]`` with zeros off the vision tokens, so hosts slice and
-        left-pad them like the embeddings.
-        """
+        Features come from pixels and grids as the processor returns them, or from
+        ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, a list of
+        them in prompt order, or the older dict form). Deepstack comes back dense, ``[B, L, K, D]``
+        with zeros off the vision tokens, so hosts slice and left-pad it like the embeddings."""
         pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = fit_training_batch(
             input_ids,
             pixel_values,
@@ -299,12 +281,12 @@ class Model(nn.Module):
         batched server, LM Studio's engine, Rapid-MLX) a miss runs the tower once and
         stores the result; a hit runs no tower.
         """
-        if cached is not None and FEATURE_SOURCES.encoded_from_other(cached, pixels, grid):
+        if cached is not None and _encoded_from(cached, pixels, grid) is False:
             cached = None
         if cached is not None or vision_cache is None or key is None or grid is None:
             return cached
         hit = vision_cache.get(key)
-        if isinstance(hit, mx.array) and FEATURE_SOURCES.encoded_from(hit, pixels, grid):
+        if isinstance(hit, mx.array) and _encoded_from(hit, pixels, grid):
             return hit
         features = self.encode_image(pixels, grid)
         mx.eval(features)
@@ -361,14 +343,10 @@ class Model(nn.Module):
         )
 
     def _text_embeddings(self, input_ids, embeds, mask, given_deltas=None) -> CompassEmbeddings:
-        """A text-only prompt: no positions (as upstream's text prompts: they follow the
-        cache the caller decodes with) and one zero delta per row, so batching hosts
-        (mlx-vlm 0.6+'s BatchGenerator) that concatenate each key over the rows that carry
-        it, and pad a missing delta with another row's, keep every row's delta. Deepstack
-        rows are zeros (a broadcast until a host concatenates rows). Leaves no state on
-        the language model: nothing of this request may reach another's decode. A caller's
-        ``rope_deltas`` comes back as given: mlx-vlm 0.6.x primes a trimmed prompt's suffix
-        with the whole prompt's delta, then lets this output replace its own."""
+        """A text prompt: no positions (they follow the cache, as upstream's), a zero delta per row
+        (batching hosts join each key over the rows that carry it), zero deepstack, no state left
+        on the language model. A caller's ``rope_deltas`` comes back as given (mlx-vlm 0.6.x primes
+        a trimmed prompt's suffix with the whole prompt's delta, then takes this output's)."""
         B, L, D = embeds.shape
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
@@ -454,14 +432,10 @@ _HEAD, _EMBED = "language_model.lm_head.", "language_model.model.embed_tokens."
 
 
 def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[str, Any]) -> bool:
-    """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights``.
-
-    The model is built from config.json alone; only the weights say whether ``lm_head`` is
-    stored, which decides some key combinations. Runs before mlx-vlm quantizes and loads
-    (every pin), so a head added here is quantized like any stored module. Returns the
-    decision (the built structure when no head can be had: loading then names the
-    missing ``lm_head.weight``).
-    """
+    """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights`` (only
+    they say whether ``lm_head`` is stored). Runs before mlx-vlm quantizes and loads, so a head
+    added here is quantized like a stored one. Returns the decision (the built one when no head
+    can be had: loading then names the missing ``lm_head.weight``)."""
     names = {weight_key(k, False): k for k in weights}
     head = {n[len(_HEAD) :]: k for n, k in names.items() if n and n.startswith(_HEAD)}
     # Compared only where it decides: a stored head with the top-level key true.
@@ -511,17 +485,12 @@ class WholePrompt(NamedTuple):
 
 
 def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids):
-    """Fit what mlx-vlm's trainer passes to the ids it passes (every pin with a trainer).
-
-    Its losses drop the last id (it predicts the next one); the batches are right-padded to a
-    multiple of 32 and GRPO appends the sampled completion, but ``mm_token_type_ids`` stays the
-    processor's: one column longer than the ids, or shorter by the padding or completion. The
-    patches of each row come stacked ``[B, N, C]``. Only those shapes are fitted: a dropped
-    column must be text, added ids no image or video token (``media_ids``); else an error.
-    Longer types whose last columns mark exactly the ids' media tokens are a whole prompt's,
-    passed with the suffix a restored prefix cache leaves: those columns (and the mask's) are
-    kept, and the whole prompt's types and mask come back as a :class:`WholePrompt` (else None).
-    """
+    """Fit what mlx-vlm's trainer passes to its ids: the last id dropped, right padding or GRPO's
+    completion appended, patches stacked ``[B, N, C]``, while ``mm_token_type_ids`` stays the
+    processor's. Only those shapes are fitted (a dropped column must be text, added ids no
+    ``media_ids``); else an error. Longer types whose last columns mark exactly the ids' media
+    tokens are a whole prompt's, passed with the suffix a restored prefix cache leaves: cut to
+    the suffix, the whole prompt's types and mask returned as a :class:`WholePrompt` (else None)."""
     # compass-compat: upstream (0.7.10) ignores mm_token_type_ids and the patch count; we check both.
     if pixel_values is not None and pixel_values.ndim == 3:
         pixel_values = pixel_values.reshape(-1, pixel_values.shape[-1])
@@ -578,47 +547,15 @@ def _pixel_fingerprint(pixels: Any, grid: Any) -> str:
     return digest.hexdigest()
 
 
-class FeatureSources:
-    """Which pixels each live ``encode_image`` result came from (by content and grid).
-
-    Hosts cache features by image path or URL; a file changed under the same path
-    then arrives with the old features. Entries go when their array is freed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sources: Dict[int, Tuple[Any, str]] = {}
-
-    def remember(self, features: mx.array, pixels: Any, grid: Any) -> None:
-        fingerprint = _pixel_fingerprint(pixels, grid)
-        key = id(features)
-
-        def forget(_ref: Any, key: int = key) -> None:
-            with self._lock:
-                entry = self._sources.get(key)
-                if entry is not None and entry[0] is _ref:
-                    del self._sources[key]
-
-        with self._lock:
-            self._sources[key] = (weakref.ref(features, forget), fingerprint)
-
-    def _fingerprint_of(self, features: Any) -> Optional[str]:
-        with self._lock:
-            entry = self._sources.get(id(features))
-        return entry[1] if entry is not None and entry[0]() is features else None
-
-    def encoded_from(self, features: Any, pixels: Any, grid: Any) -> bool:
-        """Whether this model encoded ``features`` from exactly these pixels and grid."""
-        known = self._fingerprint_of(features)
-        return known is not None and known == _pixel_fingerprint(pixels, grid)
-
-    def encoded_from_other(self, features: Any, pixels: Any, grid: Any) -> bool:
-        """Whether this model encoded ``features`` from other pixels (unknown arrays: False)."""
-        known = self._fingerprint_of(features)
-        return known is not None and grid is not None and known != _pixel_fingerprint(pixels, grid)
+def _encoded_from(features: Any, pixels: Any, grid: Any) -> Optional[bool]:
+    """Whether this process encoded ``features`` from these pixels and grid (None: not known)."""
+    known = FEATURE_SOURCES.info(features).get("fingerprint")
+    return None if known is None or grid is None else known == _pixel_fingerprint(pixels, grid)
 
 
-FEATURE_SOURCES = FeatureSources()
+# Which pixels each live encode_image result came from: hosts cache features by path, so a file
+# changed under it arrives with the old features.
+FEATURE_SOURCES = Issued()
 
 
 def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:

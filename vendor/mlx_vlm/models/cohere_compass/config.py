@@ -1,8 +1,5 @@
-"""Configuration dataclasses for cohere_compass (North-Micro-Vision).
-
-Unknown keys in a checkpoint's ``config.json`` are ignored; values the model
-cannot run with raise :class:`ValueError` saying which key is wrong.
-"""
+"""Configuration of cohere_compass: unknown ``config.json`` keys are ignored, values the model
+cannot run with raise :class:`ValueError` naming the key."""
 
 from __future__ import annotations
 
@@ -43,9 +40,7 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: List[int] = field(default_factory=lambda: [8, 16, 24])
     rope_parameters: Optional[Dict[str, Any]] = None
-    # Resolved in __post_init__: rope_parameters["rope_theta"], else a bare rope_theta
-    # key (the reference accepts both), else 10000.
-    rope_theta: Optional[float] = None
+    rope_theta: Optional[float] = None  # rope_parameters' rope_theta, else this key, else 10000
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "VisionConfig":
@@ -108,8 +103,7 @@ class TextConfig:
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        # The model's description says a head_dim key is ignored; measured on transformers
-        # 5.24 it does not (the key overrides hidden_size // num_attention_heads).
+        # A head_dim key overrides hidden_size // num_attention_heads, as transformers 5.24 reads it.
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -150,12 +144,8 @@ class TextConfig:
 
     @property
     def rope_scaling(self) -> Optional[Dict[str, Any]]:
-        """Read-only view of the sliding layers' rotation in the flat form Qwen-VL configs use.
-
-        Hosts (oMLX, servers built on mlx-vlm) decide whether a model needs per-request
-        MRoPE bookkeeping by ``"mrope_section" in text_config.rope_scaling``; the per-layer-type
-        ``rope_parameters`` alone would say no. Full-attention layers still get no rotation.
-        """
+        """The sliding layers' rotation in Qwen-VL's flat form (read-only): hosts (oMLX, mlx-vlm's
+        servers) keep per-request MRoPE state when ``"mrope_section" in rope_scaling``."""
         for layer_type in LAYER_TYPES:
             spec = self.rope_for(layer_type) if layer_type in self.layer_types else None
             if spec is not None:
@@ -168,13 +158,9 @@ class TextConfig:
         return None
 
     def rope_for(self, layer_type: str) -> Optional[RopeSpec]:
-        """The rotation of ``layer_type`` layers, or None for no positional encoding.
-
-        Per-layer-type ``rope_parameters`` (keys are layer types): a null or
-        missing entry means no rotation, and stray top-level ``rope_theta`` /
-        ``rope_type`` beside them are ignored. A flat ``rope_parameters`` or a
-        bare ``rope_theta`` applies to every layer type.
-        """
+        """The rotation of ``layer_type`` layers, or None: per-layer-type ``rope_parameters`` (a null
+        or missing entry: none; stray top-level keys beside them ignored), else a flat
+        ``rope_parameters`` or bare ``rope_theta`` for every layer type."""
         params = self.rope_parameters or {}
         if not set(params).isdisjoint(LAYER_TYPES):
             entry = params.get(layer_type)
@@ -209,10 +195,9 @@ class ModelConfig:
     video_token_id: int = 255032
     vision_start_token_id: int = 255028
     vision_end_token_id: int = 255029
-    # Given: the top-level key (None: absent). After __post_init__: whether Model builds
-    # the head tied; head_tied() decides once the weights are known (Model.sanitize).
+    # The top-level key (None: absent); after __post_init__, how Model builds the head, which
+    # head_tied() re-decides from the weights (Model.sanitize). declared_*: the key as written.
     tie_word_embeddings: Optional[bool] = None
-    # The top-level key as config.json wrote it (None: absent); filled by __post_init__.
     declared_tie_word_embeddings: Optional[bool] = field(default=None, repr=False)
     eos_token_id: Any = None
     pad_token_id: Optional[int] = None
@@ -240,21 +225,14 @@ class ModelConfig:
             self.eos_token_id = self.text_config.eos_token_id
         if self.declared_tie_word_embeddings is None:
             self.declared_tie_word_embeddings = self.tie_word_embeddings
-        # Built before the weights are seen: the key the config's writer meant (top level,
-        # else text_config); Model.sanitize re-decides with head_tied() where they disagree.
         declared = self.declared_tie_word_embeddings
         self.tie_word_embeddings = bool(self.text_config.tie_word_embeddings if declared is None else declared)
 
     def head_tied(self, lm_head_stored: bool, same_as_embedding: bool = False) -> Optional[bool]:
-        """Whether the output head is the token embedding, for what the checkpoint stores.
-
-        As transformers 5.24 loads it, where it decides (measured, tests/test_tie_head.py):
-        a stored ``lm_head`` is used, unless top-level ``tie_word_embeddings`` is true and it
-        equals the embedding (then tied: the same head); no ``lm_head`` stored and the top-level
-        key true ties. The text_config key is never read. Where it would run a randomly
-        initialised head (no ``lm_head``, top-level key false or absent), text_config's key
-        decides: true ties, anything else is None (no head to load).
-        """
+        """Whether the output head is the token embedding, as transformers 5.24 loads the checkpoint
+        (tests/test_tie_head.py): a stored ``lm_head`` is used (tied only when the top-level key is
+        true and it equals the embedding); none stored ties when the top-level key is true; where
+        the reference would run a random head, text_config's key ties if true, else None."""
         if lm_head_stored:
             return bool(self.declared_tie_word_embeddings and same_as_embedding)
         if self.declared_tie_word_embeddings:
@@ -265,8 +243,8 @@ class ModelConfig:
         return {k: v for k, v in self.__dict__.items() if v is not None and k != "declared_tie_word_embeddings"}
 
 
-# Original (CohereLabs) prefixes and where they live in this module tree (the MLX
-# conversions' names). Here, with no mlx import, so that the checkpoint checks share it.
+# Original (CohereLabs) prefixes -> this module tree's (the MLX conversions'); no mlx import here,
+# so the checkpoint checks share it.
 WEIGHT_LAYOUT = (
     ("model.language_model.", "language_model.model."),
     ("model.visual.", "vision_tower."),
@@ -275,12 +253,8 @@ WEIGHT_LAYOUT = (
 
 
 def weight_key(key: str, tied: bool) -> Optional[str]:
-    """A stored weight's name in this module tree, or None for a tensor the model drops.
-
-    CohereLabs: ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``; MLX
-    conversions: ``language_model.model.*``, ``vision_tower.*``. ``position_ids`` buffers
-    and, with a tied head, ``lm_head`` are dropped. Idempotent.
-    """
+    """A stored weight's name in this module tree (either layout), or None for a tensor the model
+    drops (``position_ids`` buffers; ``lm_head`` when tied). Idempotent."""
     if key.rsplit(".", 1)[-1] == "position_ids":
         return None
     for src, dst in WEIGHT_LAYOUT:

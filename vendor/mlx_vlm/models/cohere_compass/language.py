@@ -3,8 +3,6 @@ interleaved MRoPE on sliding-window layers, tied head with ``logit_scale``."""
 
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -12,13 +10,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import base as _pin_base
-from ..base import LanguageModelOutput
+from ..base import LanguageModelOutput, scaled_dot_product_attention
 from ..cache import KVCache
 from ..cache import RotatingKVCache as _PinRotatingKVCache
-from . import cpu_lanes
 from .config import RopeSpec, TextConfig
-from .positions import Issued, Kept, Positions, delta_rows, get_rope_index, is_batch_cache, kept, padding_rows, resolve
+from .positions import BatchRotatingKVCache, Issued, Positions, is_batch_cache, resolve, whole_prompt_positions
 from .speculative import refuse_speculative
 
 
@@ -40,23 +36,16 @@ def _rotate_half(x: mx.array) -> mx.array:
     return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-class MultimodalRotary:
-    """Rotation of one sliding-layer kind, for either a scalar offset or explicit positions.
-
-    Equal position axes (text, decode) reduce MRoPE to ordinary non-traditional
-    RoPE, which goes through mlx-lm's rope (``mx.fast.rope``); only prompts whose
-    axes differ (images) take the general cos/sin path.
-    """
+class MultimodalRotary(nn.Module):
+    """Rotation of the sliding layers: equal position axes (text, decode) reduce interleaved MRoPE
+    to mlx-lm's non-traditional rope from an offset; explicit positions (pictures) take cos/sin."""
 
     def __init__(self, spec: RopeSpec, head_dim: int):
-        self.spec = spec
-        self.head_dim = head_dim
-        self._fast = initialize_rope(head_dim, base=spec.theta, traditional=False)
+        super().__init__()
+        self.rope = initialize_rope(head_dim, base=spec.theta, traditional=False)
         half = head_dim // 2
-        self._inv_freq = mx.array(
-            1.0 / (spec.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)),
-            dtype=mx.float32,
-        )
+        exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+        self._inv_freq = mx.array(1.0 / spec.theta**exponents, dtype=mx.float32)
         self._axis = mx.array(mrope_axis_table(spec.mrope_section, half))
 
     def cos_sin(self, position_ids: mx.array) -> Tuple[mx.array, mx.array]:
@@ -66,20 +55,17 @@ class MultimodalRotary:
         angles = mx.concatenate([angles, angles], axis=-1)[:, None]
         return mx.cos(angles), mx.sin(angles)
 
-    def apply(self, x: mx.array, positions: "Positions") -> mx.array:
+    def __call__(self, x: mx.array, positions: Positions) -> mx.array:
         if positions.explicit is None:
-            # compass-compat: on the CPU one cos/sin table per forward (bit-identical).
-            return cpu_lanes.rope(self._fast, x, positions.offset, positions._tables)
+            return self.rope(x, offset=positions.offset)
         cos, sin = positions.cos_sin(self)
         out = x.astype(mx.float32) * cos + _rotate_half(x.astype(mx.float32)) * sin
         return out.astype(x.dtype)
 
 
 def causal_mask(L: int, K: int, window: Optional[int]) -> Optional[mx.array]:
-    """Boolean [L, K] mask for L queries whose keys (chronological) end at the last query.
-
-    A key is visible iff ``q - window < k <= q``. Returns None when every key is visible.
-    """
+    """Boolean [L, K] mask for L queries whose keys end at the last query: key k is visible to
+    query q iff ``q - window < k <= q``; None when every key is visible."""
     if L == 1 and (window is None or K <= window):
         return None
     q = mx.arange(K - L, K)[:, None]
@@ -104,22 +90,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
         spec = config.rope_for(layer_type)
         # Full-attention layers carry no positional encoding at all.
-        self._rotary = MultimodalRotary(spec, self.head_dim) if spec else None
+        self.rotary = MultimodalRotary(spec, self.head_dim) if spec else None
         self.window = config.sliding_window if layer_type == "sliding_attention" else None
 
     def __call__(self, x, positions: Positions, masks: "MaskBuilder", cache=None):
         B, L, _ = x.shape
-        q = cpu_lanes.linear(self.q_proj, x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = cpu_lanes.linear(self.k_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = cpu_lanes.linear(self.v_proj, x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if self._rotary is not None:
-            if mx.default_device() == mx.cpu:
-                # compass-compat: one rotation for q and k on the CPU (elementwise: bit-identical).
-                qk = self._rotary.apply(mx.concatenate([q, k], axis=1), positions)
-                q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            else:
-                q = self._rotary.apply(q, positions)
-                k = self._rotary.apply(k, positions)
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cache is not None:
             try:
                 k, v = cache.update_and_fetch(k, v)
@@ -128,15 +108,16 @@ class Attention(nn.Module):
                 if "[quantize]" not in str(err) or not hasattr(cache, "group_size"):
                     raise
                 raise KVCacheQuantizationError(_kv_group_advice(self.head_dim, cache.group_size)) from err
+        # A quantized cache (generate's kv_bits) returns packed keys; it counts them itself.
+        mask = masks.get(L, k.shape[2] if isinstance(k, mx.array) else cache.offset, self.window)
+        out = self.attend(q, k, v, mask, cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend(self, q: mx.array, k: Any, v: Any, mask: Any = None, cache: Any = None) -> mx.array:
+        """Attention of q over the keys; packed keys of a quantized cache go to mlx-vlm's helper."""
         if isinstance(k, mx.array):
-            out = cpu_lanes.attention(q, k, v, self.scale, masks.get(L, k.shape[2], self.window))
-        else:
-            # compass-compat: a quantized cache (generate's kv_bits) returns packed keys and
-            # values, which only the pin's attention helper reads; the cache counts the keys.
-            mask = masks.get(L, cache.offset, self.window)
-            attend = functools.partial(_pin_attention(), keys=k, values=v, cache=cache)
-            out = cpu_lanes.quantized_attention(q, attend, self.scale, mask)
-        return cpu_lanes.linear(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
 
 
 class KVCacheQuantizationError(ValueError):
@@ -161,27 +142,9 @@ def _kv_group_advice(head_dim: int, group_size: int) -> str:
     )
 
 
-def _pin_attention():
-    """The pin's ``scaled_dot_product_attention(q, k, v, cache, scale, mask)``, which reads a
-    quantized cache's packed keys and values (uniform: mlx-vlm >= 0.4.4's models/base.py, or
-    mlx-lm's that 0.3.x imports there; TurboQuant where the pin ships it)."""
-    attend = getattr(_pin_base, "scaled_dot_product_attention", None)
-    if attend is None:
-        raise NotImplementedError(
-            "this mlx-vlm has no scaled_dot_product_attention in mlx_vlm.models.base, so cohere_compass "
-            "cannot attend over a quantized KV cache: run without kv_bits"
-        )
-    return attend
-
-
 class MaskBuilder:
-    """Per-forward cache of masks, keyed by (queries, keys, window).
-
-    A 2-D padding mask is only ever ANDed into the causal mask, never used in
-    its place (mlx-vlm 0.3.x passes the processor's attention mask as ``mask``).
-    Batch caches (left-padded rows, rotating buffers) make their own masks before
-    any layer updates them; those are passed in as ``per_window``.
-    """
+    """A forward's masks by (queries, keys, window). A 2-D padding mask (mlx-vlm 0.3.x passes the
+    processor's) is only ANDed into the causal mask; batch caches make theirs (``per_window``)."""
 
     def __init__(self, padding: Optional[mx.array], per_window: Optional[Dict[Optional[int], mx.array]] = None):
         self.padding = padding
@@ -214,8 +177,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def __call__(self, x):
-        h = nn.silu(cpu_lanes.linear(self.gate_proj, x)) * cpu_lanes.linear(self.up_proj, x)
-        return cpu_lanes.linear(self.down_proj, h)
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LayerNorm(nn.Module):
@@ -268,73 +230,10 @@ class CompassTextModel(nn.Module):
         return self.norm(h)
 
 
-def _delta_rows(cache: Any) -> Optional[mx.array]:
-    """The rope delta kept with ``cache`` as one value per row (``[rows]``), or None."""
-    state = kept(cache)
-    return delta_rows(state.delta) if state is not None else None
-
-
-def _keep_rows(cache: Any, rows: Any) -> None:
-    setattr(cache, "compass_positions", Kept(delta=rows))
-
-
-class _KeepsRowDeltas:
-    """A batch cache made by ``merge`` of this model's request caches: each row's rope delta
-    stays with its row through ``filter``, ``extend`` and ``extract``.
-
-    Hosts that prefill requests one by one, merge their caches into a batch cache and decode
-    with nothing but the cache (Rapid-MLX) would otherwise leave every row with no delta, or
-    with one shared by the module (mlx-vlm's own models), and picture rows would decode at
-    wrong positions."""
-
-    def filter(self, batch_indices: Any) -> None:
-        rows = _delta_rows(self)
-        super().filter(batch_indices)  # type: ignore[misc]
-        if rows is not None:
-            _keep_rows(self, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1))
-
-    def extend(self, other: Any) -> None:
-        mine, theirs = _delta_rows(self), _delta_rows(other)
-        super().extend(other)  # type: ignore[misc]
-        _keep_rows(self, None if mine is None or theirs is None else mx.concatenate([mine, theirs]).reshape(-1, 1))
-
-    def extract(self, idx: int) -> Any:
-        rows = _delta_rows(self)
-        single = super().extract(idx)  # type: ignore[misc]
-        if rows is not None:
-            own = _REQUEST_CACHES.get(type(single))
-            if own is not None:
-                single.__class__ = own  # same state; keeps merge (and to_quantized) ours
-            _keep_rows(single, int(rows[idx].item()))
-        return single
-
-
-def _merged(batch_class: Any, caches: Sequence[Any]) -> Any:
-    """``batch_class.merge(caches)`` with the requests' rope deltas carried into the batch."""
-    batch = batch_class.merge(caches)
-    rows = [_delta_rows(c) for c in caches]
-    if all(r is not None for r in rows):
-        _keep_rows(batch, mx.concatenate(rows).reshape(-1, 1))
-    return batch
-
-
-# The pin's batch class for merged rotating caches (mlx-lm's before mlx-vlm 0.6). Only layer 0
-# keeps the delta, and it is a sliding layer in the published layout; full-attention layers keep
-# the pin's exact KVCache class, which mlx-vlm's prefix cache matches by exact type.
-_PinBatchRotatingKVCache = getattr(sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None)
-BatchRotatingKVCache = (
-    type("BatchRotatingKVCache", (_KeepsRowDeltas, _PinBatchRotatingKVCache), {"__module__": __name__})
-    if _PinBatchRotatingKVCache is not None and hasattr(_PinRotatingKVCache, "merge")
-    else None
-)
-
-
 class RotatingKVCache(_PinRotatingKVCache):
-    """mlx-vlm's rotating cache of a sliding-window layer, kept in float when generate quantizes
-    the KV cache (``kv_bits``): its memory is bounded by the window, and mlx-vlm has no quantized
-    rotating cache (its ``to_quantized`` raises). Full-attention layers' ``KVCache`` quantize.
-    ``merge`` (where the pin batches) carries each request's rope delta into the batch cache.
-    The pin's class name is kept: hosts key caches by it (oMLX's cache type registry)."""
+    """A sliding layer's cache, kept in float under ``kv_bits`` (bounded by the window; mlx-vlm's
+    ``to_quantized`` raises); ``merge`` carries the rows' rope deltas. The name is the pin's: hosts
+    key caches by it (oMLX's cache type registry)."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
         # generate's kv_bits converts every layer in order, this sliding one before the
@@ -350,11 +249,7 @@ class RotatingKVCache(_PinRotatingKVCache):
         @classmethod
         def merge(cls, caches: Sequence[Any], prefix_lens: Optional[Sequence[int]] = None) -> Any:
             # prefix_lens: mlx-vlm's prefix cache passes it to caches' own merge; rows are whole here.
-            return _merged(BatchRotatingKVCache, caches)
-
-
-# What ``extract`` of a batch cache returns (the pin's class) -> this model's request cache.
-_REQUEST_CACHES = {_PinRotatingKVCache: RotatingKVCache}
+            return BatchRotatingKVCache.merged(caches, RotatingKVCache)
 
 
 class LanguageModel(nn.Module):
@@ -407,28 +302,9 @@ class LanguageModel(nn.Module):
         video_grid_thw: Optional[Any] = None,
         attention_mask: Optional[mx.array] = None,
     ) -> Tuple[mx.array, mx.array]:
-        """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a whole prompt: the
-        Qwen-VL language-model method mlx-vlm 0.7.x calls to prime positions before it trims a
-        prompt to its uncached suffix (it then passes them with every chunk: they count from
-        column 0). Padding (``attention_mask == 0``) gets position 0."""
-        for grid, token, name in (
-            (image_grid_thw, self.image_token_id, "image_token_id"),
-            (video_grid_thw, self.video_token_id, "video_token_id"),
-        ):
-            if grid is not None and token is None:
-                raise ValueError(f"get_rope_index needs {name}: build LanguageModel through Model")
-        position_ids, deltas = get_rope_index(
-            np.array(input_ids),
-            image_grid_thw,
-            -1 if self.image_token_id is None else self.image_token_id,
-            self.spatial_merge_size,
-            attention_mask=padding_rows(attention_mask),
-            video_grid_thw=video_grid_thw,
-            video_token_id=self.video_token_id,
-        )
-        positions = mx.array(position_ids)
-        self.issued.mark(positions, whole=True)
-        return positions, mx.array(deltas.reshape(-1, 1))
+        """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a whole prompt (the
+        Qwen-VL method mlx-vlm 0.7.x primes a trimmed prompt's suffix with); padding gets 0."""
+        return whole_prompt_positions(self, input_ids, image_grid_thw, video_grid_thw, attention_mask)
 
     def __call__(
         self,
@@ -463,11 +339,7 @@ class LanguageModel(nn.Module):
         keep = kwargs.get("logits_to_keep") or 0
         if keep:
             h = h[:, -keep:]
-        logits = cpu_lanes.linear(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head, h)
+        logits = self.model.embed_tokens.as_linear(h) if self.tie_word_embeddings else self.lm_head(h)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         return LanguageModelOutput(logits=logits)
-
-    @staticmethod
-    def sanitize(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        return weights

@@ -9,7 +9,7 @@ its cache offset. The state that decides which lives in three places, each with 
 - :class:`Kept`, on the request's first cache layer (attribute ``compass_positions``): the delta its
   tokens continue from (one per row), the column from which that delta holds (past its last
   vision token) and the most tokens a rotating cache held. Batch caches made by ``merge`` carry
-  one delta per row through filter, extend and extract (language.py).
+  one delta per row through filter, extend and extract (:class:`_KeepsRowDeltas`).
 - :class:`Issued`, a weak registry of the arrays the model itself handed out: whole-prompt
   positions (they count from column 0), a suffix's positions (they follow ``prefix`` cached
   tokens), deltas (their one value when every row has it), a text prompt's zeros; and of the
@@ -35,6 +35,7 @@ after its ring wrapped is refused: it no longer holds the tokens before the cut.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -42,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..cache import RotatingKVCache as _PinRotatingKVCache
 from .config import grid_sequence
 
 KEPT = "compass_positions"  # the attribute of a request's first cache layer holding its Kept
@@ -81,6 +83,63 @@ def delta_rows(delta: Any) -> Optional[mx.array]:
     return (delta if isinstance(delta, mx.array) else mx.array(np.asarray(delta))).reshape(-1).astype(mx.int32)
 
 
+def _row_deltas(cache: Any) -> Optional[mx.array]:
+    state = kept(cache)
+    return delta_rows(state.delta) if state is not None else None
+
+
+def _keep_rows(cache: Any, rows: Any) -> None:
+    setattr(cache, KEPT, Kept(delta=rows))
+
+
+class _KeepsRowDeltas:
+    """A batch cache made by ``merge`` of this model's request caches: each row's rope delta stays
+    with its row through ``filter``, ``extend`` and ``extract``. Hosts that prefill requests one by
+    one, merge their caches and decode with nothing but the cache (Rapid-MLX) would otherwise
+    decode picture rows at wrong positions."""
+
+    @classmethod
+    def merged(cls, caches: List[Any], request_class: type) -> Any:
+        """``cls.merge(caches)``; ``extract`` gives back ``request_class`` (the model's own)."""
+        batch = cls.merge(caches)
+        batch.request_class = request_class
+        rows = [_row_deltas(c) for c in caches]
+        if all(r is not None for r in rows):
+            _keep_rows(batch, mx.concatenate(rows).reshape(-1, 1))
+        return batch
+
+    def filter(self, batch_indices: Any) -> None:
+        rows = _row_deltas(self)
+        super().filter(batch_indices)  # type: ignore[misc]
+        if rows is not None:
+            _keep_rows(self, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1))
+
+    def extend(self, other: Any) -> None:
+        mine, theirs = _row_deltas(self), _row_deltas(other)
+        super().extend(other)  # type: ignore[misc]
+        _keep_rows(self, None if mine is None or theirs is None else mx.concatenate([mine, theirs]).reshape(-1, 1))
+
+    def extract(self, idx: int) -> Any:
+        rows = _row_deltas(self)
+        single = super().extract(idx)  # type: ignore[misc]
+        if rows is not None:
+            if type(single) in self.request_class.__bases__:
+                single.__class__ = self.request_class  # same state; keeps merge (and to_quantized) ours
+            _keep_rows(single, int(rows[idx].item()))
+        return single
+
+
+# Where the pin batches rotating caches (mlx-lm's class before mlx-vlm 0.6), a merged batch keeps
+# each row's delta. Only layer 0 keeps it (a sliding layer in the published layout); full-attention
+# layers keep the pin's exact KVCache, which mlx-vlm's prefix cache matches by type.
+_PinBatchRotatingKVCache = getattr(sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None)
+BatchRotatingKVCache = (
+    type("BatchRotatingKVCache", (_KeepsRowDeltas, _PinBatchRotatingKVCache), {"__module__": __name__})
+    if _PinBatchRotatingKVCache is not None and hasattr(_PinRotatingKVCache, "merge")
+    else None
+)
+
+
 class Issued:
     """Arrays the model handed out (or a host passes whole), recognised by identity, held weakly."""
 
@@ -90,8 +149,9 @@ class Issued:
     def mark(self, array: Any, **info: Any) -> None:
         key = id(array)
 
-        def forget(_ref: Any, key: int = key) -> None:
-            self._entries.pop(key, None)
+        def forget(ref: Any, key: int = key) -> None:
+            if self._entries.get(key, (None,))[0] is ref:
+                del self._entries[key]
 
         self._entries[key] = (weakref.ref(array, forget), info)
 
@@ -100,9 +160,8 @@ class Issued:
         return entry[1] if entry is not None and entry[0]() is array else {}
 
     def start(self, array: mx.array, columns: int) -> int:
-        """Where this forward's tokens start in an array that covers more than them: the
-        columns since it was first seen (whole-prompt positions from :func:`get_rope_index`
-        count from column 0)."""
+        """Where this forward's tokens start in an array covering more than them: the columns
+        since it was first seen (whole-prompt positions count from column 0)."""
         info = self.info(array)
         if "first_column" not in info:
             info = {**info, "first_column": 0 if info.get("whole") else columns}
@@ -288,12 +347,10 @@ def refuse_positions_after_another_prefix(issued: Issued, position_ids: mx.array
 
 
 def unslice_positions(prompt: Any, position_ids: mx.array, B: int, L: int, columns: int) -> mx.array:
-    """``[3, B, L]`` positions back from a batch host that cut their first axis as a batch axis:
-    mlx-vlm 0.4.4's ``BatchGenerator`` slices every prompt array to ``[:batch]`` on axis 0 (``[3, B,
-    L]`` arrives as ``[min(3, B), B, L]``) and 0.6.3's ``batch_generate`` gives each row ``[:1]`` of it
-    (``[B, B, L]``: the temporal axis B times). The prompt's own array (``prompt``, what
-    get_input_embeddings left in ``_position_ids``) is used where its temporal axis is the one
-    given; another wrong-shaped array is refused."""
+    """``[3, B, L]`` positions back from a batch host that cut their first axis as a batch axis
+    (mlx-vlm 0.4.4: ``[min(3, B), B, L]``; 0.6.3: ``[B, B, L]``, the temporal axis B times): the
+    prompt's own array (``_position_ids``) where its temporal axis is the one given; another
+    wrong-shaped array is refused."""
     if position_ids.ndim != 3 or (position_ids.shape[0] == 3 and (B != 3 or L == 1)):
         return position_ids  # decode steps never need the (host-reading) check below
     if (
@@ -323,14 +380,9 @@ def unslice_positions(prompt: Any, position_ids: mx.array, B: int, L: int, colum
 
 
 def fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, deltas: Any, kwargs: Dict) -> mx.array:
-    """``[3, B, L]`` positions from a batch whose picture rows alone brought positions.
-
-    mlx-vlm 0.6+'s batch generator joins each prompt key over the rows that carry it; text rows
-    carry no positions (they follow their cache), so the rows given are the picture rows, in
-    order. Which rows those are comes from ``position_rows``, which every row carries and no host
-    cuts per prefill chunk; a host that drops it leaves ``visual_pos_masks``, which tells only while
-    it covers each picture row's vision tokens. Text rows take their offset plus their own delta.
-    """
+    """``[3, B, L]`` positions from a batch whose picture rows alone brought them (mlx-vlm 0.6+
+    joins each key over the rows that carry it): which rows, from ``position_rows`` (every row
+    carries it, uncut per chunk), else ``visual_pos_masks``; text rows take offset + own delta."""
     flags, visual = kwargs.get("position_rows"), kwargs.get("visual_pos_masks")
     if flags is not None and int(np.size(flags)) == B:
         rows = np.nonzero(np.array(flags).reshape(-1))[0]
@@ -356,16 +408,11 @@ def fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, deltas: 
 
 
 def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int, prompt_padding: Any) -> None:
-    """Tell empty batch caches about left padding only the prompt's arrays show.
-
-    mlx-vlm 0.4.x-0.6.x ``batch_generate`` tokenizes its prompts left-padded to one length and hands
-    the padded rows to its BatchGenerator as real tokens (its caches get no left padding). Unmasked,
-    every row would attend to its padding and decode positions (offset + delta, which counts real
-    tokens) would run ahead. Declaring it (mlx-lm's ``prepare(left_padding=)``) masks it from then
-    on and makes offsets count real tokens. It comes from ``prompt_padding`` (get_input_embeddings'
-    per-row count, whole however the prefill is cut), else this chunk's ``attention_mask``; padding
-    the caches know (mlx-vlm 0.7 pads rows itself) is not added twice.
-    """
+    """Declare to empty batch caches the left padding only the prompt's arrays show (mlx-vlm
+    0.4.x-0.6.x ``batch_generate`` hands padded rows over as real tokens: unmasked, rows attend to
+    it and decode positions run ahead), as mlx-lm's ``prepare(left_padding=)``: from
+    ``prompt_padding`` (whole however the prefill is cut), else this chunk's ``attention_mask``;
+    padding the caches already know (mlx-vlm 0.7) is not added twice."""
     first = cache[0]
     if getattr(first, "keys", None) is not None or not hasattr(first, "left_padding"):
         return  # padding can only be declared before the first tokens go in
@@ -385,6 +432,29 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int,
         else:  # older mlx-lm batch caches: what prepare() does
             c.left_padding = c.left_padding + mx.array(extra)
             c.offset = c.offset - mx.array(extra)
+
+
+def whole_prompt_positions(lm: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, mask: Any):
+    """``lm.get_rope_index``: a whole prompt's positions ``[3, B, L]`` (marked as counting from
+    column 0) and deltas ``[B, 1]``."""
+    for grid, token, name in (
+        (image_grid_thw, lm.image_token_id, "image_token_id"),
+        (video_grid_thw, lm.video_token_id, "video_token_id"),
+    ):
+        if grid is not None and token is None:
+            raise ValueError(f"get_rope_index needs {name}: build LanguageModel through Model")
+    position_ids, deltas = get_rope_index(
+        np.array(input_ids),
+        image_grid_thw,
+        -1 if lm.image_token_id is None else lm.image_token_id,
+        lm.spatial_merge_size,
+        attention_mask=padding_rows(mask),
+        video_grid_thw=video_grid_thw,
+        video_token_id=lm.video_token_id,
+    )
+    positions = mx.array(position_ids)
+    lm.issued.mark(positions, whole=True)
+    return positions, mx.array(deltas.reshape(-1, 1))
 
 
 def padding_rows(mask: Any) -> Optional[np.ndarray]:
@@ -408,15 +478,10 @@ def get_rope_index(
     video_grid_thw=None,
     video_token_id: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """Qwen-VL position ids [3, B, L] and rope deltas [B] for a prompt with images or videos.
-
-    Text advances all three axes by one; a run of vision tokens takes the (t, h, w) indices of
-    its merged grid offset by the running position, and the next text token starts at the
-    running position + max(h, w) / merge. Each temporal patch of a video is its own run with
-    t = 1 (the processor puts a timestamp between them). Token types come from
-    ``mm_token_type_ids`` (0 text, 1 image, 2 video) when given, else from the token ids;
-    padding (``attention_mask == 0``) gets position 0.
-    """
+    """Qwen-VL position ids [3, B, L] and rope deltas [B]: a run of vision tokens takes its merged
+    grid's (t, h, w) indices plus the running position, and the text after it starts at the
+    running position + max(h, w) / merge; each temporal patch of a video is a run with t = 1.
+    Types from ``mm_token_type_ids`` (0 text, 1 image, 2 video), else the ids; padding gets 0."""
     input_ids = np.asarray(input_ids)
     B, L = input_ids.shape
     if mm_token_type_ids is not None:

@@ -1,11 +1,8 @@
 """Speculative decoding with cohere_compass: refused by name, before the first token.
 
-mlx-vlm's drafters read the target's per-layer hidden states from the prompt's forward pass:
-dflash and eagle3 ask for them with ``capture_layer_ids``, mtp with ``return_hidden`` /
-``return_shared_kv``. This decoder returns logits only and no drafter is trained for it, so
-without this check the pin fails later, inside its round loop, with a ``TypeError`` from
-``mx.concatenate`` or a ``None`` subscript (measured on mlx-vlm 0.6.12 and 0.7.10; the pins' own
-qwen3_vl fails the same way).
+mlx-vlm's drafters ask the target for per-layer hidden states (dflash, eagle3:
+``capture_layer_ids``; mtp: ``return_hidden`` / ``return_shared_kv``); this decoder returns logits
+only, and unrefused the pin fails later inside its round loop (docs/features.md).
 """
 
 from __future__ import annotations

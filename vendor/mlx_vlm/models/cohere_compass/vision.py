@@ -1,8 +1,5 @@
-"""Vision tower of cohere_compass (Qwen3-VL shape with axial 2-D rotary), torch-free.
-
-Behaviour follows transformers' ``CohereCompassVisionModel``; parameter names
-mirror its module tree so checkpoints load with ``strict=True``.
-"""
+"""Vision tower of cohere_compass (Qwen3-VL shape, axial 2-D rotary): transformers'
+``CohereCompassVisionModel``, with its parameter names (checkpoints load with ``strict=True``)."""
 
 from __future__ import annotations
 
@@ -12,12 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import cpu_lanes
 from .config import VisionConfig, grid_sequence
-
-# Projections go through cpu_lanes.linear (CPU lanes; the plain layer call elsewhere) with
-# float32_quantized=False: a quantized vision tower (no converter makes one) keeps the
-# activation dtype, as it always has; the float32 rule is the decoder's.
 
 # transformers' ACT2FN names -> MLX functions with the same formula.
 _BLOCK_ACTIVATIONS = {
@@ -102,7 +94,7 @@ class PatchEmbed(nn.Module):
     def __call__(self, pixel_values: mx.array) -> mx.array:
         # kernel == stride, so the conv is one matmul per patch. Reorder the weight from
         # MLX [O, T, P, P, C] to [C*T*P*P, O] (the processor's flattening) as a contiguous
-        # copy: a transposed operand is slow on CPU BLAS (see cpu_lanes._rows).
+        # copy: a transposed operand is slow on CPU BLAS.
         weight = self.proj.weight
         weight = weight.transpose(4, 1, 2, 3, 0).reshape(-1, weight.shape[0])
         x = pixel_values.reshape(-1, weight.shape[0]).astype(weight.dtype)
@@ -120,7 +112,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, runs) -> mx.array:
         n, dim = x.shape
-        qkv = cpu_lanes.linear(self.qkv, x, float32_quantized=False).reshape(n, 3, self.num_heads, self.head_dim)
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
         qk = _rotate(qkv[:, :2], cos, sin).astype(x.dtype)
         q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
         outs = []
@@ -132,10 +124,13 @@ class Attention(nn.Module):
                 .transpose(0, 2, 1, 3)
                 for a in (q, k, v)
             ]
-            o = cpu_lanes.attention(*seg, self.scale)
+            o = self.attend(*seg)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return cpu_lanes.linear(self.proj, out, float32_quantized=False)
+        return self.proj(out)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -154,8 +149,7 @@ class MLP(nn.Module):
         self.act = _block_activation(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = self.act(cpu_lanes.linear(self.linear_fc1, x, float32_quantized=False))
-        return cpu_lanes.linear(self.linear_fc2, h, float32_quantized=False)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
@@ -187,8 +181,7 @@ class PatchMerger(nn.Module):
             x = self.norm(x.reshape(-1, self._merged))
         else:
             x = self.norm(x).reshape(-1, self._merged)
-        x = nn.gelu(cpu_lanes.linear(self.linear_fc1, x, float32_quantized=False))
-        return cpu_lanes.linear(self.linear_fc2, x, float32_quantized=False)
+        return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
 
 
 class VisionModel(nn.Module):
