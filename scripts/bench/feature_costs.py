@@ -5,8 +5,8 @@
 2. KV-cache quantization: the prompt cache's bytes after a long text prompt, and decode tokens per
    second, float against uniform 8 and 4 bits (``kv_group_size`` 64, ``quantized_kv_start=0``).
 
-Each implementation runs in its own processes (ours: ``COMPASS_COMPAT_FORCE_VENDORED=1``), on the
-stand-in built by scripts/bench/build_fullsize.py (random weights, the published architecture):
+Each implementation runs in its own processes (``COMPASS_COMPAT_IMPLEMENTATION=vendored`` or
+``upstream``), on the stand-in built by scripts/bench/build_fullsize.py (random weights, the published architecture):
 
     PYTHONPATH=. .venvs/mlxvlm-0.7.10/bin/python scripts/bench/feature_costs.py [--json OUT]
 """
@@ -38,8 +38,7 @@ IMPLS = ("ours", "upstream")
 def _env(impl: str) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_FORCE_VENDORED"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    if impl == "ours":
-        env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
+    env["COMPASS_COMPAT_IMPLEMENTATION"] = "vendored" if impl == "ours" else "upstream"
     return env
 
 
@@ -138,7 +137,7 @@ def server_ttft(model_dir: str, impl: str, sends: int, log: pathlib.Path) -> Lis
     sys.path.insert(0, str(ROOT))
     from scripts._lib.server import Server
 
-    force = {"COMPASS_COMPAT_FORCE_VENDORED": "1" if impl == "ours" else "0"}
+    force = {"COMPASS_COMPAT_IMPLEMENTATION": "vendored" if impl == "ours" else "upstream"}
     with Server(pathlib.Path(model_dir), log, env=force) as server:
         return [_stream_ttft(server.port, model_dir, PICTURE, 4) for _ in range(sends)]
 

@@ -7,8 +7,8 @@ Runs on the full-size stand-in checkpoint (random weights, built once and cached
 scripts/bench/build_fullsize.py), bfloat16 and 4-bit, with every implementation in its own worker
 process of the mlx-vlm 0.7.10 environment:
 
-- ``ours``: the vendored package, forced (``COMPASS_COMPAT_FORCE_VENDORED=1``);
-- ``upstream``: mlx-vlm 0.7.10's own ``cohere_compass`` (the shim steps aside);
+- ``ours``: the vendored package (``COMPASS_COMPAT_IMPLEMENTATION=vendored``);
+- ``upstream``: mlx-vlm 0.7.10's own ``cohere_compass`` (``COMPASS_COMPAT_IMPLEMENTATION=upstream``);
 - ``torch``: transformers' ``CohereCompassForConditionalGeneration`` on torch CPU (sdpa
   attention), bfloat16 and float32, loaded from the same bytes in the original layout.
 
@@ -420,8 +420,8 @@ class Worker:
         self.name, self.impl, self.variant = name, impl, variant
         env = dict(os.environ)
         env.pop("COMPASS_COMPAT_FORCE_VENDORED", None)
-        if impl == "ours":
-            env["COMPASS_COMPAT_FORCE_VENDORED"] = "1"
+        # The recorded verdicts make ours live by default on 0.7.10: each worker names its own.
+        env["COMPASS_COMPAT_IMPLEMENTATION"] = "vendored" if impl == "ours" else "upstream"
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         cmd = [
             sys.executable,
