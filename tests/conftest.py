@@ -24,14 +24,6 @@ def tiny_ckpt_mlx(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def control_ckpt(tmp_path_factory) -> pathlib.Path:
-    """The control: a tiny mlx-vlm qwen3_vl checkpoint (scripts/_lib/control.py)."""
-    from scripts._lib.control import build_control
-
-    return build_control(tmp_path_factory.mktemp("control"))
-
-
-@pytest.fixture(scope="session")
 def reference() -> ReferenceFixtures:
     return ReferenceFixtures()
 

@@ -12,8 +12,8 @@ part after the prefix and prefill the rest whole; 0.4.4 trims a turn that adds a
 passes the whole prompt's token types, grids and pixels unprimed, from which the model places it.
 
 Ours runs on the default checkpoint (the toy: its sliding window covers these conversations,
-so the pin's caches can be trimmed); the control (mlx-vlm's own qwen3_vl, scripts/_lib/control.py)
-on ids and pixels handed to the same ``stream_generate``. Its measured failures are strict xfails.
+so the pin's caches can be trimmed). mlx-vlm's own qwen3_vl on the same conversations is an item
+of the control survey (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,15 @@ import numpy as np
 import pytest
 
 from compass_data import shapes, toy
-from scripts._lib import contract, control, mlx_vlm_run
-from tests.lib.conversations import IdsOnly, Turn, primes_a_restored_prefix, prompt_cache_state_class, run_turn
+from scripts._lib import contract, mlx_vlm_run
+from scripts._lib.conversations import (
+    CONVERSATIONS,
+    Turn,
+    check_turn,
+    expected_reuse,
+    prompt_cache_state_class,
+    run_turn,
+)
 from tests.lib.vendored import vendored
 
 vendored()
@@ -38,22 +45,8 @@ PromptCacheState = prompt_cache_state_class()
 pytestmark = pytest.mark.skipif(PromptCacheState is None, reason="this mlx-vlm has no PromptCacheState")
 
 VERSION = importlib.metadata.version("mlx-vlm")
-PRIMED = primes_a_restored_prefix()
-TOL = 1e-4
 MAX_TOKENS = 12
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "compass_compat" / "assets" / "demo.png"
-
-# Each turn: the user's text and the pictures it adds ("demo", "scene": the default picture and a
-# rendered shapes scene).
-CONVERSATIONS: Dict[str, List[Tuple[str, Tuple[str, ...]]]] = {
-    "picture-text-picture": [
-        ("Describe this image.", ("demo",)),
-        ("How many shapes are there?", ()),
-        ("Describe this image.", ("scene",)),
-    ],
-    "text-only": [("Hello there!", ()), ("What can you do?", ()), ("Tell me more.", ())],
-    "text-then-picture": [("Hello there!", ()), ("Describe this image.", ("demo",))],
-}
 
 
 def apc_manager(monkeypatch):
@@ -74,33 +67,6 @@ def apc_manager(monkeypatch):
 
 def reuse_kwargs(kind: str, monkeypatch) -> Dict[str, Any]:
     return {"prompt_cache_state": PromptCacheState()} if kind == "state" else {"apc_manager": apc_manager(monkeypatch)}
-
-
-def expected_reuse(name: str, turn: int) -> str:
-    """What the pin does with turn ``turn``: "fresh" (nothing to reuse), "reused" (a prefix
-    restored), "whole" (prefilled whole though a prefix is cached)."""
-    adds_picture = bool(CONVERSATIONS[name][turn][1])
-    if turn == 0:
-        return "fresh"
-    if adds_picture and PRIMED:
-        return "whole"
-    return "reused"
-
-
-def check_turn(where: str, want: str, cached: Turn, fresh: Turn) -> None:
-    """``cached`` did what ``want`` says (:func:`expected_reuse`) and answered as ``fresh``."""
-    assert fresh.error is None, f"{where} uncached: {fresh.error}"
-    assert cached.error is None, f"{where}: {cached.error}"
-    if want == "either":
-        assert cached.fed <= fresh.fed, f"{where}: {cached.fed} of {fresh.fed} ids fed"
-    elif want == "reused":
-        assert cached.fed < fresh.fed, f"{where}: the pin reused no prefix ({cached.fed} of {fresh.fed} ids fed)"
-    else:
-        assert cached.fed == fresh.fed, f"{where}: {cached.fed} of {fresh.fed} ids fed"
-    assert cached.ids == fresh.ids, f"{where}: {cached.ids} != uncached {fresh.ids}"
-    n = len(fresh.ids)
-    diff = float(np.abs(cached.logprobs[:n] - fresh.logprobs[:n]).max())
-    assert diff < TOL, f"{where}: max |logprobs - uncached| = {diff:.3g}"
 
 
 # ----------------------------------------------------------------------------------- ours
@@ -146,8 +112,13 @@ def ours(loaded, pictures, name: str, reuse: Dict[str, Any]) -> List[Tuple[Turn,
 
 
 # Measured: on 0.6.3 a request that extends an earlier one reuses its prefix and answers otherwise
-# than uncached; the control given this model's cache layout does the same (the pin's: below).
+# than uncached (the control given this model's cache layout does the same: the control survey).
 APC_FAILS = {"0.6.3": ("picture-text-picture", "text-only")}
+
+
+def xfail_where_measured(request, table: Dict[str, Tuple[str, ...]], name: str) -> None:
+    if name in table.get(VERSION, ()):
+        request.applymarker(pytest.mark.xfail(reason=f"measured on mlx-vlm {VERSION}", strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -184,118 +155,6 @@ def test_automatic_prefix_cache_gives_the_uncached_answers(loaded, pictures, nam
             {"role": "assistant", "content": processor.tokenizer.decode(fresh.ids, skip_special_tokens=True)}
         )
     assert reused, f"{name}: the automatic prefix cache reused no prefix in any request"
-
-
-# -------------------------------------------------------------------------------- the control
-
-CONTROL_GRIDS = {"demo": (1, 4, 6), "scene": (1, 6, 4)}
-CONTROL_TEXT = 20  # text ids per turn: the pins store the control's cache in blocks of 16
-
-
-@pytest.fixture(scope="module")
-def control_model(control_ckpt):
-    return control.load_control(control_ckpt)
-
-
-def control_turn(model, ids: List[int], pictures: List[str], **reuse: Any) -> Turn:
-    """One request of the control on ``ids``; without ``reuse``, on a freshly reset model."""
-    kwargs: Dict[str, Any] = dict(input_ids=mx.array([ids], dtype=mx.int32), mask=mx.ones((1, len(ids)), mx.int32))
-    if pictures:
-        grids = [CONTROL_GRIDS[p] for p in pictures]
-        rows = [control.random_pixels([CONTROL_GRIDS[p]], seed=i) for i, p in enumerate(pictures)]
-        kwargs.update(pixel_values=mx.array(np.concatenate(rows)), image_grid_thw=mx.array(grids, dtype=mx.int32))
-    if not reuse:
-        control.fresh_state(model)
-    return run_turn(model, IdsOnly(control.EOS_ID), "", MAX_TOKENS, **kwargs, **reuse)
-
-
-def control_conversation(model, name: str, reuse: Dict[str, Any], sends: int = 1) -> List[Tuple[Turn, ...]]:
-    """The conversation ``name`` in the control's ids, as :func:`ours` runs it: each turn its
-    text ids (seeded) and its pictures' blocks; the next turn follows the uncached answer (up to
-    its first special id). Each turn: the uncached run, then ``sends`` runs with ``reuse``."""
-    rng = np.random.default_rng(7)
-    ids: List[int] = []
-    pictures: List[str] = []
-    out = []
-    for _, added in CONVERSATIONS[name]:
-        for picture in added:
-            ids += [control.VISION_START_ID] + [control.IMAGE_ID] * control.image_token_count(CONTROL_GRIDS[picture])
-            ids += [control.VISION_END_ID]
-        pictures += added
-        ids += rng.integers(1, control.TEXT_ID_LIMIT, size=CONTROL_TEXT).tolist()
-        runs = [control_turn(model, ids, pictures, **reuse) for _ in range(sends)]
-        fresh = control_turn(model, ids, pictures)
-        out.append((fresh, *runs))
-        special = [i for i, t in enumerate(fresh.ids) if t >= control.TEXT_ID_LIMIT]
-        ids += fresh.ids[: special[0]] if special else fresh.ids
-    return out
-
-
-def xfail_where_measured(request, table: Dict[str, Tuple[str, ...]], name: str) -> None:
-    if name in table.get(VERSION, ()):
-        request.applymarker(pytest.mark.xfail(reason=f"measured on mlx-vlm {VERSION}", strict=True))
-
-
-# The control's failures per pin, measured (tests with --runxfail); each a strict xfail.
-CONTROL_STATE_FAILS: Dict[str, Tuple[str, ...]] = {
-    # qwen3_vl's text embeddings bring positions from 0, which win over the primed ones
-    # (docs/model-contract.md item 2; the control survey's restored image prefix).
-    "0.6.12": ("picture-text-picture",),
-    # 0.4.4's qwen3_vl continues a restored prefix at the wrong positions, text prefixes too; a
-    # picture after a text prefix fails (MLX's "[broadcast_shapes] Shapes (60) and (28)").
-    "0.4.4": ("picture-text-picture", "text-only", "text-then-picture"),
-}
-CONTROL_APC_FAILS: Dict[str, Tuple[str, ...]] = {
-    # Given this model's cache layout, the pin's whole-prefix mode answers otherwise on the
-    # requests it reuses: 0.6.3 stores a snapshot taken after the first answer token went into
-    # the cache under the prompt's ids (so an extending request continues after that token);
-    # on 0.6.12 a repeated request with a picture hits qwen3_vl's restored-image-prefix defect.
-    "0.6.3": ("mixed-picture-text-picture", "mixed-text-only"),
-    "0.6.12": ("mixed-picture-text-picture", "mixed-text-then-picture"),
-}
-# The control's own layout (one KVCache per layer) takes the block mode, which on these pins
-# reuses no prefix that holds a picture. (0.7.10 seemed to, while every manager shared the disk
-# tier under ~/.cache/mlx-vlm: it was served blocks an earlier run had stored.)
-CONTROL_APC_NOTHING_REUSED: Dict[str, Tuple[str, ...]] = {
-    "0.6.3": ("own-picture-text-picture",),
-    "0.6.12": ("own-picture-text-picture",),
-    "0.7.10": ("own-picture-text-picture",),
-}
-
-
-@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-def test_control_multi_turn_prompt_cache_state(control_model, name, request, monkeypatch):
-    xfail_where_measured(request, CONTROL_STATE_FAILS, name)
-    turns = control_conversation(control_model, name, reuse_kwargs("state", monkeypatch))
-    for turn, (fresh, cached) in enumerate(turns):
-        check_turn(f"control {name} turn {turn}", expected_reuse(name, turn), cached, fresh)
-
-
-def mixed_layout(model) -> List[Any]:
-    """This model's cache layout on the control: rotating caches (window past these
-    conversations) then one full cache, so the pin's APC takes the same (whole-prefix) mode."""
-    from mlx_vlm.models.cache import KVCache, RotatingKVCache
-
-    layers = len(model.language_model.layers)
-    return [RotatingKVCache(max_size=4096, keep=0) for _ in range(layers - 1)] + [KVCache()]
-
-
-@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-@pytest.mark.parametrize("layout", ["own", "mixed"])
-def test_control_automatic_prefix_cache(control_model, layout, name, request, monkeypatch):
-    key = f"{layout}-{name}"
-    xfail_where_measured(request, CONTROL_APC_FAILS, key)
-    reuse = reuse_kwargs("apc", monkeypatch)
-    if layout == "mixed":
-        monkeypatch.setattr(
-            control_model.language_model, "make_cache", lambda: mixed_layout(control_model), raising=False
-        )
-    turns = control_conversation(control_model, name, reuse, sends=2)
-    for turn, (fresh, first, again) in enumerate(turns):
-        check_turn(f"control {key} turn {turn}", "either", first, fresh)
-        check_turn(f"control {key} turn {turn} repeated", "either", again, fresh)
-    reused = any(run.fed < fresh.fed for fresh, *runs in turns for run in runs)
-    assert reused == (key not in CONTROL_APC_NOTHING_REUSED.get(VERSION, ())), f"control {key}: reused: {reused}"
 
 
 # ------------------------------------------------- the model's side, against the recorded reference

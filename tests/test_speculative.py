@@ -11,86 +11,37 @@ speculative decoding must give the plain greedy tokens or not run.
   prompt's forward pass (vendored ``speculative.refuse_speculative``), before the first token,
   through ``generate_step``, ``stream_generate`` with a picture, and mlx-vlm's server started with
   ``--draft-model`` (the request gets the server's 500 with the refusal as its detail).
-- The control (qwen3_vl) and, on 0.7.10 with COMPASS_COMPAT_IMPLEMENTATION=upstream, upstream's own
-  cohere_compass are run the same way: either their speculative greedy tokens equal the plain
-  ones, or the failure comes from inside mlx-vlm's speculative package (the pin's, reported).
+- On 0.7.10 with COMPASS_COMPAT_IMPLEMENTATION=upstream, upstream's own cohere_compass is run the
+  same way: either its speculative greedy tokens equal the plain ones, or the failure comes from
+  inside mlx-vlm's speculative package (the pin's, reported). The control (qwen3_vl) is run so by
+  the control survey (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import pathlib
-import traceback
 from importlib.metadata import version
 
 import mlx.core as mx
 import pytest
 
 import compass_compat
-
-PIN = version("mlx-vlm")
-STEPS = 6
-PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
-
-
-def _speculative_pin() -> bool:
-    from mlx_vlm.generate import generate_step
-
-    return "draft_model" in inspect.signature(generate_step).parameters
-
-
-pytestmark = pytest.mark.skipif(
-    not _speculative_pin(), reason=f"mlx-vlm {PIN}'s generate_step takes no draft_model (no speculative decoding)"
+from scripts._lib.speculative import (
+    STEPS,
+    draft_kinds,
+    drafter_for,
+    outcome,
+    speculative_pin,
+    step_tokens,
+    token_stream,
 )
 
-
-def draft_kinds() -> list:
-    from mlx_vlm.speculative.drafters import KNOWN_DRAFTER_KINDS
-
-    return sorted(KNOWN_DRAFTER_KINDS)
-
-
-def drafter_for(model):
-    """The pin's dflash drafter with random weights, sized for ``model``'s decoder."""
-    from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
-    from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
-
-    lm = model.language_model
-    layers = len(lm.model.layers)
-    vocab, hidden = lm.model.embed_tokens.weight.shape
-    config = DFlashConfig.from_dict(
-        dict(
-            model_type="qwen3_dflash",
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=vocab,
-            block_size=4,
-            mask_token_id=vocab - 1,
-            target_layer_ids=[0, layers - 1],
-            num_target_layers=layers,
-        )
-    )
-    drafter = DFlashDraftModel(config)
-    mx.eval(drafter.parameters())
-    return drafter
-
-
-def token_stream(model, **kwargs):
-    """The pin's ``generate_step`` on a text prompt, greedy, yielding token ids."""
-    from mlx_vlm.generate import generate_step
-
-    stream = generate_step(mx.array([PROMPT_IDS]), model, None, None, max_tokens=STEPS, temperature=0.0, **kwargs)
-    return (int(mx.array(token).reshape(-1)[0].item()) for token, _ in stream)
-
-
-def step_tokens(model, **kwargs) -> list:
-    return list(token_stream(model, **kwargs))[:STEPS]
+PIN = version("mlx-vlm")
+pytestmark = pytest.mark.skipif(
+    not speculative_pin(), reason=f"mlx-vlm {PIN}'s generate_step takes no draft_model (no speculative decoding)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,29 +63,10 @@ def live_implementation() -> str:
     return "ours" if info.implementation == "vendored" else "upstream"
 
 
-def outcome(model, kind: str) -> str:
-    """'equal' (speculative greedy == plain greedy) or the failure, which must be the pin's."""
-    plain = step_tokens(model)
-    yielded = []
-    try:
-        for token in token_stream(model, draft_model=drafter_for(model), draft_kind=kind):
-            yielded.append(token)
-    except Exception as error:
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(error.__traceback__)]
-        assert any("/mlx_vlm/speculative/" in f for f in frames), f"{kind} failed outside mlx-vlm's speculative code"
-        return (
-            f"fails after {len(yielded)} token(s): {type(error).__name__} at "
-            f"{where.filename.split('site-packages/')[-1]}:{where.lineno}"
-        )
-    assert yielded[:STEPS] == plain, f"{kind}: speculative greedy {yielded} != plain greedy {plain}"
-    return "equal to plain greedy"
-
-
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp"])
 def test_ours_refuses_by_name_before_the_first_token(ours, kind):
     if live_implementation() != "ours":
-        pytest.skip("upstream's cohere_compass is live: test_peer_and_control_either_work_or_fail_in_the_pin")
+        pytest.skip("upstream's cohere_compass is live: test_peer_either_works_or_fails_in_the_pin")
     if kind not in draft_kinds():
         pytest.skip(f"mlx-vlm {PIN} has no draft kind {kind}")
     from mlx_vlm.models.cohere_compass.speculative import SpeculativeDecodingUnsupported
@@ -178,19 +110,12 @@ def test_ours_refuses_through_stream_generate_with_a_picture(ours, fixture_image
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp"])
-@pytest.mark.parametrize("who", ["control", "upstream"])
-def test_peer_and_control_either_work_or_fail_in_the_pin(ours, control_ckpt, who, kind):
+def test_peer_either_works_or_fails_in_the_pin(ours, kind):
     if kind not in draft_kinds():
         pytest.skip(f"mlx-vlm {PIN} has no draft kind {kind}")
-    if who == "upstream" and live_implementation() != "upstream":
+    if live_implementation() != "upstream":
         pytest.skip("our model is live: upstream's cohere_compass is the peer only in the unforced 0.7.10 run")
-    if who == "control":
-        from scripts._lib.control import load_control
-
-        model = load_control(pathlib.Path(control_ckpt))
-    else:
-        model = ours[0]
-    print(f"\n[speculative] {PIN} {who} {kind}: {outcome(model, kind)}")
+    print(f"\n[speculative] {PIN} upstream {kind}: {outcome(ours[0], kind)}")
 
 
 def _server_takes_a_drafter() -> bool:

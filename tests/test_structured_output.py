@@ -1,16 +1,15 @@
 """Structured output: ``logits_processors`` through mlx-vlm's ``generate`` / ``stream_generate``, and
-the server's ``response_format`` (a JSON schema), on ours and on the control.
+the server's ``response_format`` (a JSON schema), on ours (mlx-vlm's own qwen3_vl driven the same
+way: the control survey, scripts/pin_bump/control_survey.py).
 
-The processors are our own (tests/lib/json_mask.py): one that changes nothing, one that allows only
+The processors are our own (scripts/_lib/json_mask.py): one that changes nothing, one that allows only
 the ids of a fixed JSON document in order, and a mask that keeps the answer a prefix of one of a
 schema's listed documents. Expected values: transformers' recorded greedy answers (a processor that
 changes nothing must give them) and prefill logits (the best allowed digit), the tokenizer's ids of
-the fixed document, the schema itself. The control (mlx-vlm's own qwen3_vl,
-scripts/_lib/control.py) has no tokenizer: its ids 32..126 are read as ASCII characters, and it is
-driven through the pin's ``generate_step``.
+the fixed document, the schema itself.
 
 mlx-vlm 0.3.x's ``generate_step`` has no ``logits_processors`` and hands them to the model: ours
-refuses them by name, the control ignores them.
+refuses them by name.
 
 mlx-vlm's own ``response_format`` support (``mlx_vlm.structured``, 0.6+) masks the logits with
 llguidance through an MLX Metal kernel (0.6.3: llguidance's own ``llguidance.mlx`` kernel; 0.6.12
@@ -29,7 +28,7 @@ import json
 import pathlib
 import urllib.error
 import urllib.request
-from typing import Dict, List
+from typing import List
 
 import mlx.core as mx
 import numpy as np
@@ -37,13 +36,13 @@ import pytest
 
 from compass_data import toy
 from scripts._lib import mlx_vlm_run
-from tests.lib.json_mask import (
+from scripts._lib.json_mask import (
     DIGIT_SCHEMA,
+    FIXED,
     SCHEMA,
     ChoiceMask,
     FixedIds,
     Identity,
-    byte_pieces,
     check_calls,
     cpu_bitmask,
     documents,
@@ -55,7 +54,6 @@ from tests.lib.json_mask import (
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOY_REFERENCE = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
 DEMO = ROOT / "compass_compat" / "assets" / "demo.png"
-FIXED = '{"shape": "square", "count": 2}'
 MAX_TOKENS = 40  # more than any listed document takes, so each answer ends at its EOS
 NO_METAL = "[metal_kernel] No Metal back-end"
 
@@ -219,65 +217,11 @@ def test_digit_document_takes_the_references_best_digit(tiny, reference, fixture
     assert matches(DIGIT_SCHEMA, json.loads(answer))
 
 
-# --------------------------------------------------------------------------- the control
-@pytest.fixture(scope="module")
-def control(control_ckpt):
-    from scripts._lib.control import load_control
-
-    return load_control(control_ckpt)
-
-
-def _control_ids(model, inputs: Dict, processors=None, steps: int = MAX_TOKENS) -> List[int]:
-    """The pin's ``generate_step`` (greedy) on the control, stopped after its EOS as generate does."""
-    from scripts._lib.control import EOS_ID, pin_greedy
-
-    return pin_greedy(model, inputs, steps, processors=processors, stop_at=EOS_ID)
-
-
-@needs_processors
-@pytest.mark.parametrize("case", ["text_short", "image"])
-def test_control_identity_processor(control, case):
-    from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt, one_shot_greedy
-
-    inputs = control_prompt(case)
-    identity = Identity()
-    got = _control_ids(control, inputs, [identity], steps=12)
-    assert got == _control_ids(control, inputs, steps=12)
-    assert got == one_shot_greedy(control, inputs, 12)[: len(got)]
-    check_calls(identity, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), got, VOCAB_SIZE, [EOS_ID])
-
-
-@needs_processors
-@pytest.mark.parametrize("case", ["text_short", "image"])
-def test_control_fixed_document(control, case):
-    from scripts._lib.control import EOS_ID, VOCAB_SIZE, control_prompt
-
-    inputs = control_prompt(case)
-    fixed = FixedIds([ord(c) for c in FIXED], [EOS_ID])
-    ids = _control_ids(control, inputs, [fixed])
-    assert ids[-1] == EOS_ID and "".join(map(chr, ids[:-1])) == FIXED
-    check_calls(fixed, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
-
-
-@needs_processors
-@pytest.mark.parametrize("case", ["text_short", "image"])
-def test_control_schema_mask(control, case):
-    from scripts._lib.control import EOS_ID, TEXT_ID_LIMIT, VOCAB_SIZE, control_prompt
-
-    inputs = control_prompt(case)
-    mask = ChoiceMask(documents(), byte_pieces(VOCAB_SIZE, TEXT_ID_LIMIT), [EOS_ID])
-    ids = _control_ids(control, inputs, [mask])
-    assert ids[-1] == EOS_ID
-    answer = "".join(map(chr, ids[:-1]))
-    assert answer in documents() and matches(SCHEMA, json.loads(answer))
-    check_calls(mask, np.asarray(inputs["input_ids"]).reshape(-1).tolist(), ids, VOCAB_SIZE, [EOS_ID])
-
-
 # --------------------------------------------------------------------------- pins without processors
 @without_processors
 def test_no_processors_pin_refuses_by_name_ours(tiny):
     """0.3.x's generate_step hands ``logits_processors`` on to the model's forward pass: ours
-    refuses them by name (the control ignores them, below)."""
+    refuses them by name."""
     prompt = tiny.tokenizer.encode(tiny.prompt("Hello there!", []), add_special_tokens=False)
     fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
     steps = _generate_step()(mx.array([prompt]), tiny.loaded[0], None, None, logits_processors=[fixed])
@@ -298,18 +242,6 @@ def test_no_processors_pin_swallows_the_refusal_on_cpu(tiny):
     assert list(stream_generate(*tiny.loaded, prompt, max_tokens=8, logits_processors=[fixed])) == []
 
 
-@without_processors
-def test_no_processors_pin_ignores_them_on_the_control(control):
-    """The control's forward pass ignores the unknown option: an unconstrained answer, the
-    processor never called (the pin's design; ours refuses)."""
-    from scripts._lib.control import EOS_ID, control_prompt
-
-    inputs = control_prompt("text_short")
-    fixed = FixedIds([ord(c) for c in FIXED], [EOS_ID])
-    got = _control_ids(control, inputs, [fixed], steps=12)
-    assert not fixed.calls and got == _control_ids(control, inputs, steps=12)
-
-
 # --------------------------------------------------------------------------- the pin's llguidance mask
 def _pin_processor(tokenizer):
     from mlx_vlm.structured import build_json_schema_logits_processor
@@ -325,23 +257,9 @@ def test_pin_mask_needs_metal_ours(tiny):
         tiny.stream(prompt, [], [_pin_processor(tiny.tokenizer)])
 
 
-@needs_pin_structured
-@cpu_only
-def test_pin_mask_needs_metal_control(control, tiny_ckpt_original):
-    """The same error on mlx-vlm's own model: the pin's kernel, not the model. (The control has no
-    tokenizer; the tiny one builds the grammar: the kernel fails before any id is read.)"""
-    from transformers import AutoTokenizer
-
-    from scripts._lib.control import control_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_ckpt_original))
-    with pytest.raises(RuntimeError, match=NO_METAL.replace("[", r"\[").replace("]", r"\]")):
-        _control_ids(control, control_prompt("text_short"), [_pin_processor(tokenizer)])
-
-
 @pytest.fixture
 def cpu_mask(monkeypatch):
-    """The pin's Metal mask replaced by a CPU one (tests/lib/json_mask.py ``cpu_bitmask``), so the
+    """The pin's Metal mask replaced by a CPU one (scripts/_lib/json_mask.py ``cpu_bitmask``), so the
     rest of its structured path runs here."""
     for module, name in mask_kernel_site():
         monkeypatch.setattr(module, name, cpu_bitmask)
@@ -439,7 +357,7 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "from tests.lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
+        "from scripts._lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
     )
     prompt = TOY_REFERENCE["demo"]["describe"]["prompt"]
     with _server(tmp_path, str(site)) as server:

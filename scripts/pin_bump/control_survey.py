@@ -3,7 +3,10 @@ random checkpoint, scripts/_lib/control.py) passes. First the control itself (bu
 loaded exactly, its cases' shapes, pixels reaching the logits, its greedy paths agreeing, its image
 positions by Qwen3-VL's rule) and the pin's own qwen3_vl defects (an item per defect, failing where
 the pin has it); then the caller contract, driven by exactly the calls tests/test_caller_contract.py
-makes on ours (scripts/_lib/contract.py) and compared with its own one-shot forward pass.
+makes on ours (scripts/_lib/contract.py) and compared with its own one-shot forward pass; the pin's
+server routes and embedding call; its generation features as the suite drives them on ours
+(prompt-cache reuse, the automatic prefix cache, logits processors, speculative decoding, the chat
+CLI); and its conversion recipes.
 
     python -m scripts.pin_bump.control_survey [--json OUT]     (in a pin's environment; pin_bump.sh runs it)
 
@@ -18,14 +21,18 @@ differ or the release has no record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import inspect
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -269,6 +276,273 @@ def server_items(folder: Path, server) -> List[Tuple[str, Callable[[], None]]]:
     return out
 
 
+# --------------------------------------------------------------------------- the pin's generation features
+# The conversations of tests/test_prompt_cache_reuse.py in the control's ids: each picture a block
+# of the grid below, each turn CONTROL_TEXT seeded text ids.
+CONTROL_GRIDS = {"demo": (1, 4, 6), "scene": (1, 6, 4)}
+CONTROL_TEXT = 20  # text ids per turn: the pins store the control's cache in blocks of 16
+MAX_TOKENS = 12
+DEMO = Path(__file__).resolve().parents[2] / "compass_compat" / "assets" / "demo.png"
+NO_METAL = "[metal_kernel] No Metal back-end"
+
+
+def control_turn(model, ids: List[int], pictures: List[str], **reuse):
+    """One greedy ``stream_generate`` request of the control on ``ids``; without ``reuse``, on a
+    freshly reset model."""
+    import mlx.core as mx
+
+    from scripts._lib import control
+    from scripts._lib.conversations import IdsOnly, run_turn
+
+    kwargs = dict(input_ids=mx.array([ids], dtype=mx.int32), mask=mx.ones((1, len(ids)), mx.int32))
+    if pictures:
+        grids = [CONTROL_GRIDS[p] for p in pictures]
+        rows = [control.random_pixels([CONTROL_GRIDS[p]], seed=i) for i, p in enumerate(pictures)]
+        kwargs.update(pixel_values=mx.array(np.concatenate(rows)), image_grid_thw=mx.array(grids, dtype=mx.int32))
+    if not reuse:
+        control.fresh_state(model)
+    return run_turn(model, IdsOnly(control.EOS_ID), "", MAX_TOKENS, **kwargs, **reuse)
+
+
+def control_conversation(model, name: str, reuse: dict, sends: int = 1) -> list:
+    """Conversation ``name``: each turn its text ids (seeded) and its pictures' blocks; the next
+    turn follows the uncached answer (up to its first special id). Each turn: the uncached run,
+    then ``sends`` runs with ``reuse``."""
+    from scripts._lib import control
+    from scripts._lib.conversations import CONVERSATIONS
+
+    rng = np.random.default_rng(7)
+    ids: List[int] = []
+    pictures: List[str] = []
+    out = []
+    for _, added in CONVERSATIONS[name]:
+        for picture in added:
+            ids += [control.VISION_START_ID] + [control.IMAGE_ID] * control.image_token_count(CONTROL_GRIDS[picture])
+            ids += [control.VISION_END_ID]
+        pictures += added
+        ids += rng.integers(1, control.TEXT_ID_LIMIT, size=CONTROL_TEXT).tolist()
+        runs = [control_turn(model, ids, pictures, **reuse) for _ in range(sends)]
+        fresh = control_turn(model, ids, pictures)
+        out.append((fresh, *runs))
+        special = [i for i, t in enumerate(fresh.ids) if t >= control.TEXT_ID_LIMIT]
+        ids += fresh.ids[: special[0]] if special else fresh.ids
+    return out
+
+
+def prompt_cache_state_gives_the_uncached_answers(model, name: str) -> None:
+    """``stream_generate(..., prompt_cache_state=)`` as ``mlx_vlm.chat`` keeps it across turns."""
+    from scripts._lib.conversations import check_turn, expected_reuse, prompt_cache_state_class
+
+    turns = control_conversation(model, name, {"prompt_cache_state": prompt_cache_state_class()()})
+    for turn, (fresh, cached) in enumerate(turns):
+        check_turn(f"{name} turn {turn}", expected_reuse(name, turn), cached, fresh)
+
+
+@contextlib.contextmanager
+def apc_environment() -> Iterator[None]:
+    """The server's ``APC_ENABLED=1``, with a disk tier of its own (its blocks are keyed by tokens alone)."""
+    keys = ("APC_ENABLED", "APC_DISK_PATH", "MLX_VLM_CACHE_HOME")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(APC_ENABLED="1", MLX_VLM_CACHE_HOME=tempfile.mkdtemp(prefix="apc-"))
+    os.environ.pop("APC_DISK_PATH", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def mixed_layout(model) -> list:
+    """Our model's cache layout on the control: rotating caches (window past these conversations)
+    then one full cache, so the pin's APC takes the same (whole-prefix) mode."""
+    from mlx_vlm.models.cache import KVCache, RotatingKVCache
+
+    layers = len(model.language_model.layers)
+    return [RotatingKVCache(max_size=4096, keep=0) for _ in range(layers - 1)] + [KVCache()]
+
+
+def apc_items(folder: Path) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for the automatic prefix cache: each conversation's requests sent twice
+    to one manager, in the control's own cache layout (the manager's block mode) and in ours
+    (whole-prefix mode): every answer the uncached one; and a prefix reused at least once."""
+    from mlx_vlm import apc
+
+    from scripts._lib.control import load_control
+    from scripts._lib.conversations import CONVERSATIONS, check_turn
+
+    @functools.lru_cache(maxsize=None)
+    def conversation(layout: str, name: str) -> list:
+        model = load_control(folder)
+        if layout == "mixed":
+            model.language_model.make_cache = lambda: mixed_layout(model)
+        with apc_environment():
+            return control_conversation(model, name, {"apc_manager": apc.from_env()}, sends=2)
+
+    def answers(layout: str, name: str) -> None:
+        for turn, (fresh, first, again) in enumerate(conversation(layout, name)):
+            check_turn(f"{layout}-{name} turn {turn}", "either", first, fresh)
+            check_turn(f"{layout}-{name} turn {turn} repeated", "either", again, fresh)
+
+    def reuses(layout: str, name: str) -> None:
+        turns = conversation(layout, name)
+        assert any(run.fed < fresh.fed for fresh, *runs in turns for run in runs), "no request reused a prefix"
+
+    out: List[Tuple[str, Callable[[], None]]] = []
+    for check in (answers, reuses):
+        label = {answers: "apc_gives_the_uncached_answers", reuses: "apc_reuses_a_prefix"}[check]
+        for layout in ("mixed", "own"):
+            for name in sorted(CONVERSATIONS):
+                out.append((f"{label}[{layout}-{name}]", lambda f=check, a=layout, n=name: f(a, n)))
+    return out
+
+
+def processor_items(model) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for ``logits_processors`` through the pin's ``generate_step``. The control
+    has no tokenizer: its ids 32..126 are read as ASCII characters."""
+    from mlx_vlm.generate import generate_step
+
+    from scripts._lib import json_mask as jm
+    from scripts._lib.control import EOS_ID, TEXT_ID_LIMIT, VOCAB_SIZE, control_prompt, one_shot_greedy, pin_greedy
+
+    def ids_of(inputs: dict, processors=None, steps: int = 40) -> List[int]:
+        return pin_greedy(model, inputs, steps, processors=processors, stop_at=EOS_ID)
+
+    def prompt(inputs: dict) -> List[int]:
+        return np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+
+    def identity(case: str) -> None:
+        inputs, recorder = control_prompt(case), jm.Identity()
+        got = ids_of(inputs, [recorder], steps=MAX_TOKENS)
+        assert got == ids_of(inputs, steps=MAX_TOKENS)
+        assert got == one_shot_greedy(model, inputs, MAX_TOKENS)[: len(got)]
+        jm.check_calls(recorder, prompt(inputs), got, VOCAB_SIZE, [EOS_ID])
+
+    def fixed_document(case: str) -> None:
+        inputs, fixed = control_prompt(case), jm.FixedIds([ord(c) for c in jm.FIXED], [EOS_ID])
+        ids = ids_of(inputs, [fixed])
+        assert ids[-1] == EOS_ID and "".join(map(chr, ids[:-1])) == jm.FIXED
+        jm.check_calls(fixed, prompt(inputs), ids, VOCAB_SIZE, [EOS_ID])
+
+    def schema_mask(case: str) -> None:
+        inputs = control_prompt(case)
+        mask = jm.ChoiceMask(jm.documents(), jm.byte_pieces(VOCAB_SIZE, TEXT_ID_LIMIT), [EOS_ID])
+        ids = ids_of(inputs, [mask])
+        assert ids[-1] == EOS_ID
+        answer = "".join(map(chr, ids[:-1]))
+        assert answer in jm.documents() and jm.matches(jm.SCHEMA, json.loads(answer))
+        jm.check_calls(mask, prompt(inputs), ids, VOCAB_SIZE, [EOS_ID])
+
+    def ignored_by_the_pin() -> None:
+        """0.3.x hands them to the forward pass, which ignores them: an unconstrained answer."""
+        inputs, fixed = control_prompt("text_short"), jm.FixedIds([ord(c) for c in jm.FIXED], [EOS_ID])
+        got = ids_of(inputs, [fixed], steps=MAX_TOKENS)
+        assert not fixed.calls and got == ids_of(inputs, steps=MAX_TOKENS)
+
+    if "logits_processors" not in inspect.signature(generate_step).parameters:
+        return [("logits_processors_ignored_by_the_pin", ignored_by_the_pin)]
+    out: List[Tuple[str, Callable[[], None]]] = []
+    for check in (identity, fixed_document, schema_mask):
+        for case in ("image", "text_short"):
+            out.append((f"logits_processor_{check.__name__}[{case}]", lambda f=check, n=case: f(n)))
+    return out
+
+
+def pin_json_mask_needs_metal(model, folder: Path) -> None:
+    """The pin's llguidance mask (``mlx_vlm.structured``) without Metal: its kernel's error, whatever
+    the model. (The control has no tokenizer; the tiny one builds the grammar.)"""
+    from mlx_vlm.structured import build_json_schema_logits_processor
+    from transformers import AutoTokenizer
+
+    from compass_data.tiny import build_tiny_checkpoint
+    from scripts._lib.control import EOS_ID, control_prompt, pin_greedy
+    from scripts._lib.json_mask import SCHEMA
+
+    tokenizer = AutoTokenizer.from_pretrained(str(build_tiny_checkpoint(folder.parent / "tiny", layout="original")))
+    processor = build_json_schema_logits_processor(tokenizer, SCHEMA)
+    try:
+        pin_greedy(model, control_prompt("text_short"), 40, processors=[processor], stop_at=EOS_ID)
+    except RuntimeError as err:
+        assert NO_METAL in str(err), err
+        return
+    raise AssertionError("the pin's JSON mask ran without Metal")
+
+
+def speculative_greedy_or_the_pins_failure(folder: Path, kind: str) -> None:
+    """The pin's ``generate_step`` with a random dflash drafter of ``kind``: the plain greedy ids,
+    or a failure inside mlx-vlm's speculative package."""
+    from scripts._lib.control import load_control
+    from scripts._lib.speculative import outcome
+
+    outcome(load_control(folder), kind)
+
+
+def chat_cannot_answer(folder: Path) -> None:
+    """``python -m mlx_vlm.chat`` on the control, as a user runs it with the opt-in patch: no
+    tokenizer files, so it stops at loading its processor (0.4.x), or loads a Qwen processor with
+    an empty vocabulary and every turn is an error (0.6 and later); never an answer to compare."""
+    from compass_compat import startup
+    from scripts._lib import hook_venv
+
+    python = hook_venv.build(Path(sys.executable), folder.parent / "chat_env")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({startup.ENV: "1", "TERM": "dumb", "COLUMNS": "400", "NO_COLOR": "1"})
+    script = [TEXT_PROMPT, "/clear", f"/image {DEMO}", "Describe this picture.", "How many shapes are there?", "/exit"]
+    argv = [str(python), "-m", "mlx_vlm.chat", "--model", str(folder), "--temperature", "0"]
+    argv += ["--max-tokens", str(MAX_TOKENS)]
+    proc = subprocess.run(
+        argv, input="\n".join(script) + "\n", capture_output=True, text=True, env=env, cwd=folder.parent, timeout=600
+    )
+    if "Model loaded successfully" not in proc.stdout:
+        assert proc.returncode == 1 and "Fatal error: Can't load image processor" in proc.stdout, (
+            proc.stdout[-2000:] + proc.stderr[-2000:]
+        )
+        return
+    said = [piece.split("\nYou: ", 1)[0] for piece in proc.stdout.split("Assistant: ")[1:]]
+    assert said and all(turn.lstrip().startswith("Error:") for turn in said), said
+
+
+def feature_items(folder: Path) -> List[Tuple[str, Callable[[], None]]]:
+    """(item id, its check) for the pin's generation features on the control, where the pin has them:
+    prompt-cache reuse, the automatic prefix cache, logits processors and their JSON mask,
+    speculative decoding and the chat CLI. Each group on a freshly loaded control."""
+    import mlx.core as mx
+
+    from scripts._lib import speculative
+    from scripts._lib.control import load_control
+    from scripts._lib.conversations import CONVERSATIONS, prompt_cache_state_class
+
+    out: List[Tuple[str, Callable[[], None]]] = []
+    if prompt_cache_state_class() is not None:
+        state_model = load_control(folder)
+        for name in sorted(CONVERSATIONS):
+            out.append(
+                (
+                    f"prompt_cache_state_gives_the_uncached_answers[{name}]",
+                    lambda n=name: prompt_cache_state_gives_the_uncached_answers(state_model, n),
+                )
+            )
+        if importlib.util.find_spec("mlx_vlm.apc") is not None:
+            out += apc_items(folder)
+    structured_model = load_control(folder)
+    out += processor_items(structured_model)
+    if importlib.util.find_spec("mlx_vlm.structured") is not None and not mx.metal.is_available():
+        out.append(("pin_json_mask_needs_metal", lambda: pin_json_mask_needs_metal(structured_model, folder)))
+    if speculative.speculative_pin():
+        for kind in [k for k in ("dflash", "eagle3", "mtp") if k in speculative.draft_kinds()]:
+            out.append(
+                (
+                    f"speculative_greedy_or_the_pins_failure[{kind}]",
+                    lambda k=kind: speculative_greedy_or_the_pins_failure(folder, k),
+                )
+            )
+    if importlib.util.find_spec("rich") is not None:  # 0.3.x's chat imports rich, which it does not install
+        out.append(("chat_cannot_answer", lambda: chat_cannot_answer(folder)))
+    return out
+
+
 # --------------------------------------------------------------------------- the pin's conversion recipes
 # The recipe rule's high layers for the control's 3 (scripts/_lib/recipes.py has the rule), its
 # untied head, and the AWQ groups its layers offer (RMSNorms, GQA: q/k/v, gate/up and down_proj).
@@ -449,7 +723,7 @@ def survey() -> Dict[str, str]:
     result = {}
     try:
         checks = control_items(model, folder) + items(model, cases) + server_items(folder, server)
-        for item, run in checks + recipe_items(folder):
+        for item, run in checks + feature_items(folder) + recipe_items(folder):
             try:
                 run()
                 result[item] = "pass"

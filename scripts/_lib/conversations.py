@@ -4,16 +4,31 @@ cache manager) and as a fresh request of the same whole conversation, with no ca
 
 Ours is driven with prompts and picture files (its processor); the control, which has no
 processor, with the prompt ids and pixels handed to ``stream_generate`` directly
-(:class:`IdsOnly` stands in for the processor's tokenizer and detokenizer).
+(:class:`IdsOnly` stands in for the processor's tokenizer and detokenizer). Shared by
+tests/test_prompt_cache_reuse.py (ours) and the control survey (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
+TOL = 1e-4  # the largest |log-probability - uncached| of a turn that reused a cache
+
+# Each turn: the user's text and the pictures it adds ("demo", "scene": the default picture and a
+# rendered shapes scene).
+CONVERSATIONS: Dict[str, List[Tuple[str, Tuple[str, ...]]]] = {
+    "picture-text-picture": [
+        ("Describe this image.", ("demo",)),
+        ("How many shapes are there?", ()),
+        ("Describe this image.", ("scene",)),
+    ],
+    "text-only": [("Hello there!", ()), ("What can you do?", ()), ("Tell me more.", ())],
+    "text-then-picture": [("Hello there!", ()), ("Describe this image.", ("demo",))],
+}
 
 
 @dataclass
@@ -44,6 +59,34 @@ def primes_a_restored_prefix() -> bool:
         except ImportError:
             continue
     return False
+
+
+def expected_reuse(name: str, turn: int) -> str:
+    """What the pin does with turn ``turn`` of conversation ``name``: "fresh" (nothing to reuse),
+    "reused" (a prefix restored), "whole" (prefilled whole though a prefix is cached)."""
+    adds_picture = bool(CONVERSATIONS[name][turn][1])
+    if turn == 0:
+        return "fresh"
+    if adds_picture and primes_a_restored_prefix():
+        return "whole"
+    return "reused"
+
+
+def check_turn(where: str, want: str, cached: Turn, fresh: Turn) -> None:
+    """``cached`` did what ``want`` says (:func:`expected_reuse`, or "either": at most the
+    uncached run's ids fed) and answered as ``fresh``."""
+    assert fresh.error is None, f"{where} uncached: {fresh.error}"
+    assert cached.error is None, f"{where}: {cached.error}"
+    if want == "either":
+        assert cached.fed <= fresh.fed, f"{where}: {cached.fed} of {fresh.fed} ids fed"
+    elif want == "reused":
+        assert cached.fed < fresh.fed, f"{where}: the pin reused no prefix ({cached.fed} of {fresh.fed} ids fed)"
+    else:
+        assert cached.fed == fresh.fed, f"{where}: {cached.fed} of {fresh.fed} ids fed"
+    assert cached.ids == fresh.ids, f"{where}: {cached.ids} != uncached {fresh.ids}"
+    n = len(fresh.ids)
+    diff = float(np.abs(cached.logprobs[:n] - fresh.logprobs[:n]).max())
+    assert diff < TOL, f"{where}: max |logprobs - uncached| = {diff:.3g}"
 
 
 def run_turn(model, processor, prompt: str, max_tokens: int, **kwargs: Any) -> Turn:

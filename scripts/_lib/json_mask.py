@@ -2,7 +2,8 @@
 
 mlx-vlm's ``generate_step`` calls each processor as ``processor(tokens, logits)``: ``tokens`` the
 1-D context (the prompt, or its last prefill chunk, then each sampled id), ``logits`` [1, vocab].
-Every processor here records its calls, so tests can check that convention as well as the answer.
+Every processor here records its calls, so tests (tests/test_structured_output.py, and the control
+survey on mlx-vlm's own qwen3_vl) can check that convention as well as the answer.
 Token ids are mapped to text by ``pieces`` (id -> its text, None for ids a JSON answer never uses:
 special tokens, padded rows past the tokenizer).
 """
@@ -28,6 +29,9 @@ SCHEMA: Dict = {
     "additionalProperties": False,
 }
 
+
+# The fixed document a processor allows, id by id.
+FIXED = '{"shape": "square", "count": 2}'
 
 # A document whose first token is a real choice: one digit.
 DIGIT_SCHEMA: Dict = {"type": "integer", "minimum": 0, "maximum": 9}
