@@ -1,7 +1,7 @@
 """Where the vendored ``cohere_compass`` tree is, and its modules loaded without the package.
 
 A leaf module (the standard library and :mod:`compass_compat.errors` only): the shim, the
-checkpoint checks and the checklist all find the vendored files here.
+checkpoint checks and the workshop's checklist all find the vendored files here.
 """
 
 from __future__ import annotations

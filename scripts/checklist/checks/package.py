@@ -30,7 +30,7 @@ def check_ships(ctx: Context, item: Item) -> ItemResult:
 
 
 def _vendored_sources() -> List[Tuple[str, Path]]:
-    from ...vendor import vendor_root
+    from compass_compat.vendor import vendor_root
 
     root = vendor_root()
     out = []
@@ -79,7 +79,7 @@ def external_imports() -> List[Tuple[str, str, List[str]]]:
 def _import_side_by_side() -> ModuleType:
     """Import the vendored package a second time as ``SIDE_BY_SIDE`` (relative imports still reach
     the installed mlx-vlm: the name sits under mlx_vlm.models)."""
-    from ...vendor import package_dir
+    from compass_compat.vendor import package_dir
 
     if SIDE_BY_SIDE in sys.modules:
         return sys.modules[SIDE_BY_SIDE]

@@ -2,7 +2,7 @@
 
 Run it in the environment of the mlx-vlm pin you are considering::
 
-    python -m compass_compat.checklist [--json] [--implementation upstream|vendored]
+    python -m scripts.checklist [--json] [--implementation upstream|vendored]
 
 Every item of ``CHECKLIST.md`` is checked automatically against the installed mlx-vlm and
 reported as PASS or FAIL with its evidence (numbers, or the error). Exit status: 0 when every
@@ -16,9 +16,9 @@ need it FAIL with "no upstream cohere_compass" on pins that do not ship it (befo
 the checks are meaningful. Either way the vendored package is also imported side by side under
 a private module name for item 7, so both implementations are live in one process.
 
-Ground truth is the reference fixtures recorded from transformers (``tests/fixtures`` of the
-repository checkout, found next to the package, or ``--fixtures DIR``). They are not shipped in
-the wheel: from an installed wheel the command exits 2 and says so.
+Workshop code: it runs from a repository checkout (``python -m scripts.checklist``), never from
+the wheel. Ground truth is the reference fixtures recorded from transformers (the checkout's
+``tests/fixtures``, or ``--fixtures DIR``).
 
 Models are driven the way mlx-vlm drives them: ``mlx_vlm.load`` (model and processor, the
 processor through ``AutoProcessor``), ``Model.__call__`` / ``get_input_embeddings`` for logits
