@@ -48,20 +48,18 @@ before mlx-vlm's first read, the shim wraps ``mlx_vlm.utils.load_model`` to call
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math
 import os
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from compass_data.weight_tree import weight_tree
 
-from .vendor import file_module, package_dir
+from .vendor import vendored_module
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
@@ -330,8 +328,7 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
 
 
 def _config_module():
-    # The vendored config.py: it imports only the standard library.
-    return file_module("config")
+    return vendored_module("config")
 
 
 def _model_config(folder: Path, config: Dict[str, Any]):
@@ -383,16 +380,10 @@ def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
 # ------------------------------------------------------------------ preprocessor
 
 
-@functools.lru_cache(maxsize=1)
 def processing_module():
-    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one
-    the processor, these checks and the checklist share): the live module when the vendored
-    package is live, else loaded by path (upstream's package may be the live one)."""
-    path = (package_dir() / "processing_cohere_compass.py").resolve()
-    live = sys.modules.get(f"mlx_vlm.models.{MODEL_TYPE}.processing_cohere_compass")
-    if live is not None and Path(getattr(live, "__file__", None) or "").resolve() == path:
-        return live
-    return file_module("processing_cohere_compass")
+    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one the
+    processor and these checks share), the process's one copy."""
+    return vendored_module("processing_cohere_compass")
 
 
 def pixel_bounds(
@@ -652,8 +643,9 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
 def _check_head(folder: Path, model_config, headers) -> bool:
     """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
     counts as used: whether it equals the embedding needs the data), or refuse."""
+    weight_key = _config_module().weight_key
     lm_head_stored = any(
-        (_config_module().weight_key(key, False) or "").startswith("language_model.lm_head.")
+        (weight_key(key, False) or "").startswith("language_model.lm_head.")
         for entries in headers.values()
         for key in entries
     )

@@ -13,8 +13,9 @@ the checklist could not run (e.g. the reference fixtures are missing).
 need it FAIL with "no upstream cohere_compass" on pins that do not ship it (before 0.6.13).
 ``--implementation vendored`` runs the same items against compass-compat's vendored package
 (made live the documented way, ``apply_patch(force_vendored=True)``); that is how the tests show
-the checks are meaningful. Either way the vendored package is also imported side by side under
-a private module name for item 7, so both implementations are live in one process.
+the checks are meaningful. Item 7 imports the vendored package whole: in upstream mode beside
+upstream's, under compass_compat.vendor's name for it, so both implementations are live in one
+process.
 
 Workshop code: it runs from a repository checkout (``python -m scripts.checklist``), never from
 the wheel. Ground truth is the reference fixtures recorded from transformers (the checkout's
