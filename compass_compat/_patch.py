@@ -1,37 +1,9 @@
-"""The one module that knows how to patch mlx-vlm for ``cohere_compass``.
+"""The one module that patches mlx-vlm for ``cohere_compass``.
 
-What :func:`apply_patch` does, all or nothing:
-
-1. appends ``<vendor>/mlx_vlm`` to the END of ``mlx_vlm.__path__`` and
-   ``<vendor>/mlx_vlm/models`` to the END of ``mlx_vlm.models.__path__``, so
-   ``import mlx_vlm.models.cohere_compass`` (what mlx-vlm's own loader does)
-   finds the vendored package where mlx-vlm has none, and upstream's where it
-   ships one;
-2. where the installed mlx-vlm ships its own ``cohere_compass`` (0.6.13+), makes the vendored
-   package the live ``mlx_vlm.models.cohere_compass`` (also if upstream's was already imported)
-   unless the checklist's recorded verdict for that release passes every item
-   (:mod:`compass_compat.verdicts`); the switch ``implementation`` (argument or
-   ``COMPASS_COMPAT_IMPLEMENTATION``: auto, vendored, upstream) overrides the rule;
-3. registers ``cohere_compass`` in ``mlx_vlm.prompt_utils.MODEL_CONFIG`` with
-   the image-first list message format (in place);
-4. wraps ``transformers.AutoProcessor.from_pretrained`` so a local checkpoint
-   folder whose ``config.json`` says ``cohere_compass`` gets the vendored
-   torch-free processor while the vendored package is the live one;
-5. while the vendored package is live, wraps ``mlx_vlm.utils.load_model`` (the folder is
-   checked first) and ``mlx_vlm.prompt_utils.MessageFormatter.format_message`` (a
-   cohere_compass user turn with videos gets its video parts: mlx-vlm formats video only
-   for the models it lists by name) and, where it takes no ``frame_sampler`` (0.6.x),
-   ``mlx_vlm.utils.load_video`` (its result unchanged, remembered so the processor reads the
-   reference's frames of that file);
-6. only with ``mlx_lm`` (argument or ``COMPASS_COMPAT_MLX_LM=1``): appends
-   ``<vendor>/mlx_lm/models`` to the END of ``mlx_lm.models.__path__``, so
-   ``mlx_lm.load`` runs the vendored text decoder on text prompts. Opt-in
-   because hosts that hand a checkpoint to mlx-lm when it loads there would
-   then drop or mis-position images (docs/hosts.md, "Hosts that load through mlx-lm").
-
-Every hook is checked before anything changes; a missing one raises
-:class:`CompassCompatError` naming it and the installed mlx-vlm version. A
-failure midway undoes what was done and re-raises.
+:func:`apply_patch` looks up every hook first, then installs, all or nothing, what
+ARCHITECTURE.md's table "What the shim installs" lists; docs/shim.md says why each is needed.
+Every wrapper goes through :func:`_wrap`: tagged, its original kept, undone only while it is
+still the installed one. A missing hook raises :class:`CompassCompatError` naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +12,7 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -51,11 +24,10 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from . import verdicts
 from .errors import CompassCompatError
-from .vendor import package_dir, vendor_root
+from .vendor import MODEL_TYPE, PACKAGE, is_vendored, package_dir, vendor_root, within
 
-MODEL_TYPE = "cohere_compass"
-PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
 PROCESSING_MODULE = f"{PACKAGE}.processing_{MODEL_TYPE}"
+VIDEO_MODULE = f"{PACKAGE}.video_processing_{MODEL_TYPE}"
 PROCESSOR_CLASS = "CohereCompassProcessor"
 IMPLEMENTATION_ENV = "COMPASS_COMPAT_IMPLEMENTATION"
 SWITCH_VALUES = ("auto", "vendored", "upstream")
@@ -63,10 +35,16 @@ FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"  # =1: IMPLEMENTATION=vendored, kept
 MLX_LM_ENV = "COMPASS_COMPAT_MLX_LM"
 MLX_LM_PACKAGE = f"mlx_lm.models.{MODEL_TYPE}"
 TAG = "__compass_compat__"
+MLX_BUILDS = (
+    "install an MLX build: pip install 'compass-compat[cpu]' on Linux without a GPU, "
+    "'compass-compat[cuda]' with CUDA 12 ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
+)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 _MISSING = object()
+_UNREADABLE = object()
+_VIDEO_ITEM_TYPES = ("video", "video_url", "input_video")
 
 _Undo = Tuple[str, Callable[[], None]]
 
@@ -76,7 +54,7 @@ class _State:
     applied: bool = False
     forced: bool = False  # the vendored package made live over (or instead of) upstream's
     force_source: str = ""
-    switch: str = "auto"  # the switch's value, and where it came from
+    switch: str = "auto"
     switch_source: str = ""
     verdict: Optional[verdicts.Verdict] = None  # the record's word where mlx-vlm ships its own
     processor_hook: bool = False
@@ -94,8 +72,7 @@ class ImplementationInfo:
 
     Attributes:
         implementation: ``"vendored"``, ``"upstream"`` or ``"none"``.
-        file: the ``__init__.py`` of the live (or, if not yet imported, the
-            resolvable) package, or None.
+        file: the ``__init__.py`` of the live (or, if not yet imported, the resolvable) package, or None.
         loaded: whether ``mlx_vlm.models.cohere_compass`` is in ``sys.modules``.
         patched: whether :func:`apply_patch` is in effect.
         forced: whether the vendored package was made live over upstream's.
@@ -105,8 +82,7 @@ class ImplementationInfo:
         reason: one sentence saying why this implementation is the live one.
         switch: ``COMPASS_COMPAT_IMPLEMENTATION`` as applied: auto, vendored or upstream.
         verdict: what the recorded checklist verdicts say of the installed mlx-vlm's own
-            ``cohere_compass`` (the items it fails, or how to record a verdict), or "" where
-            mlx-vlm ships none.
+            ``cohere_compass``, or "" where mlx-vlm ships none.
     """
 
     implementation: str
@@ -122,21 +98,7 @@ class ImplementationInfo:
     verdict: str = ""
 
 
-# ---------------------------------------------------------------- locations
-
-
-def _within(path: Optional[str], directory: Path) -> bool:
-    if not path:
-        return False
-    real, base = os.path.realpath(path), os.path.realpath(directory)
-    return os.path.commonpath([real, base]) == base
-
-
-def _same_dir(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-# ------------------------------------------------------------------ inspect
+# ---------------------------------------------------------------- the switch
 
 
 def _mlx_vlm_version() -> str:
@@ -145,26 +107,22 @@ def _mlx_vlm_version() -> str:
 
         return str(mlx_vlm.__version__)
     except (ImportError, AttributeError):
-        try:
-            from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
+        try:
             return version("mlx-vlm")
-        except ImportError:
+        except PackageNotFoundError:
             return "unknown"
 
 
-@dataclass
-class _Hooks:
-    """Everything apply_patch touches, looked up before anything changes."""
-
-    version: str
-    vendor: Path
-    mlx_vlm: Any
-    models: Any
-    model_config: Any
-    image_first: Any
-    auto_processor: Any
-    mlx_lm_models: Any = None
+def _flag_from_env(name: str) -> Tuple[bool, str]:
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True, f"environment variable {name}={raw}"
+    if value in _FALSE:
+        return False, ""
+    raise CompassCompatError(f"{name}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)")
 
 
 def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tuple[str, str]:
@@ -196,14 +154,21 @@ def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tu
     return value, source
 
 
-def _flag_from_env(name: str) -> Tuple[bool, str]:
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True, f"environment variable {name}={raw}"
-    if value in _FALSE:
-        return False, ""
-    raise CompassCompatError(f"{name}={raw!r} is neither true (1/true/yes/on) nor false (0/false/no/off/empty)")
+# ------------------------------------------------------------------ the hooks
+
+
+@dataclass
+class _Hooks:
+    """Everything apply_patch touches, looked up before anything changes."""
+
+    version: str
+    vendor: Path
+    mlx_vlm: Any
+    models: Any
+    model_config: Any
+    image_first: Any
+    auto_processor: Any
+    mlx_lm_models: Any = None
 
 
 def _import_or_none(name: str) -> Any:
@@ -215,30 +180,24 @@ def _import_or_none(name: str) -> Any:
         raise
 
 
-MLX_BUILDS = (
-    "install an MLX build: pip install 'compass-compat[cpu]' on Linux without a GPU, "
-    "'compass-compat[cuda]' with CUDA 12 ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
-)
-
-
-def _require_mlx() -> None:
-    """mlx itself loads (on Linux plain ``mlx`` has no backend: libmlx.so is missing)."""
-    try:
-        import mlx.core  # noqa: F401
-    except (ImportError, OSError) as err:
-        raise CompassCompatError(f"mlx cannot load here ({type(err).__name__}: {err}): {MLX_BUILDS}") from err
-
-
 def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     """Look up every hook; raise naming all missing ones. Changes nothing."""
-    _require_mlx()
+    try:
+        import mlx.core  # noqa: F401  (on Linux plain ``mlx`` has no backend: libmlx.so is missing)
+    except (ImportError, OSError) as err:
+        raise CompassCompatError(f"mlx cannot load here ({type(err).__name__}: {err}): {MLX_BUILDS}") from err
     import mlx_vlm
+    import transformers
 
-    version = _mlx_vlm_version()
-    vendor = vendor_root()
     missing: List[str] = []
 
-    def need(owner: Any, owner_name: str, attr: str, check: Callable[[Any], bool] = lambda v: True) -> Any:
+    def module(name: str) -> Any:
+        found = _import_or_none(name)
+        if found is None:
+            missing.append(name)
+        return found
+
+    def need(owner: Any, owner_name: str, attr: str, check: Callable[[Any], bool] = callable) -> Any:
         if owner is None:
             return None  # the owner itself is already reported missing
         value = getattr(owner, attr, _MISSING)
@@ -247,33 +206,25 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
             return None
         return value
 
-    need(mlx_vlm, "mlx_vlm", "__path__", lambda p: hasattr(p, "append"))
-    models = _import_or_none("mlx_vlm.models")
-    if models is None:
-        missing.append("mlx_vlm.models")
-    else:
-        need(models, "mlx_vlm.models", "__path__", lambda p: hasattr(p, "append"))
-    prompt_utils = _import_or_none("mlx_vlm.prompt_utils")
-    if prompt_utils is None:
-        missing.append("mlx_vlm.prompt_utils")
-    model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
-    message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat")
-    # LIST_WITH_IMAGE_FIRST exists on every mlx-vlm from 0.3.9 to 0.7.10 (qwen3_vl
-    # uses it; mlx-vlm >= 0.6.13 registers its own cohere_compass with it).
-    image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST")
-    import transformers
+    def is_path(p: Any) -> bool:
+        return hasattr(p, "append")
 
-    auto_processor = need(transformers, "transformers", "AutoProcessor")
-    need(auto_processor, "transformers.AutoProcessor", "from_pretrained", callable)
-    lm_models = None
-    if mlx_lm:
-        lm_models = _import_or_none("mlx_lm.models")
-        if lm_models is None:
-            missing.append("mlx_lm.models")
-        else:
-            need(lm_models, "mlx_lm.models", "__path__", lambda p: hasattr(p, "append"))
-        if not (vendor / "mlx_lm" / "models" / f"{MODEL_TYPE}.py").is_file():
-            missing.append(f"{vendor / 'mlx_lm' / 'models' / MODEL_TYPE}.py (vendored tree)")
+    need(mlx_vlm, "mlx_vlm", "__path__", is_path)
+    models = module("mlx_vlm.models")
+    need(models, "mlx_vlm.models", "__path__", is_path)
+    prompt_utils = module("mlx_vlm.prompt_utils")
+    model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
+    message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat", lambda v: True)
+    # LIST_WITH_IMAGE_FIRST: on every mlx-vlm from 0.3.9 to 0.7.10 (qwen3_vl uses it).
+    image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST", lambda v: True)
+    auto_processor = need(transformers, "transformers", "AutoProcessor", lambda v: True)
+    need(auto_processor, "transformers.AutoProcessor", "from_pretrained")
+    vendor = vendor_root()
+    lm_models = module("mlx_lm.models") if mlx_lm else None
+    need(lm_models, "mlx_lm.models", "__path__", is_path)
+    if mlx_lm and not (vendor / "mlx_lm" / "models" / f"{MODEL_TYPE}.py").is_file():
+        missing.append(f"{vendor / 'mlx_lm' / 'models' / MODEL_TYPE}.py (vendored tree)")
+    version = _mlx_vlm_version()
     if missing:
         raise CompassCompatError(
             f"compass-compat cannot patch mlx-vlm {version}: missing hook(s) "
@@ -285,22 +236,52 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
 
 
 def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.ModuleSpec]:
-    """Upstream's own cohere_compass spec, ignoring the vendored path entry."""
-    ours = str(vendor / "mlx_vlm" / "models")
-    entries = [p for p in list(getattr(models, "__path__", [])) if not _same_dir(p, ours)]
-    # mlx-vlm >= 0.6.13 ships models/cohere_compass; 0.3.9 to 0.6.12 do not.
+    """Upstream's own cohere_compass spec (mlx-vlm >= 0.6.13), ignoring the vendored path entry."""
+    ours = os.path.realpath(vendor / "mlx_vlm" / "models")
+    entries = [p for p in list(getattr(models, "__path__", [])) if os.path.realpath(p) != ours]
     return importlib.machinery.PathFinder.find_spec(PACKAGE, entries)
 
 
-# ------------------------------------------------------------------ patches
+# ------------------------------------------------------------------ installing
+
+
+def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo], *, owner_name: str) -> bool:
+    """Install ``hook(original, *args, **kwargs)`` in place of ``owner.attr`` (a function or a
+    classmethod of ``owner`` itself): tagged with TAG, ``__wrapped__`` and the original, never
+    installed twice. Undone, it passes every call through, and is removed while it is still the
+    installed one (something that wrapped it since keeps it as an inert link)."""
+    original = vars(owner).get(attr, _MISSING)
+    is_classmethod = isinstance(original, classmethod)
+    function = original.__func__ if is_classmethod else original
+    if original is _MISSING or not callable(function) or getattr(function, TAG, False):
+        return False
+    active = [True]
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if active[0]:
+            return hook(function, *args, **kwargs)
+        return function(*args, **kwargs)
+
+    setattr(wrapper, TAG, True)
+    wrapper.__compass_compat_original__ = original  # type: ignore[attr-defined]
+    installed = classmethod(wrapper) if is_classmethod else wrapper
+    setattr(owner, attr, installed)
+
+    def restore() -> None:
+        active[0] = False
+        if vars(owner).get(attr) is installed:
+            setattr(owner, attr, original)
+
+    undo.append((f"restore {owner_name}.{attr}", restore))
+    return True
 
 
 def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) -> None:
-    path = owner.__path__
-    if any(_same_dir(p, str(entry)) for p in list(path)):
-        return
     text = str(entry)
-    path.append(text)
+    if any(os.path.realpath(p) == os.path.realpath(text) for p in list(owner.__path__)):
+        return
+    owner.__path__.append(text)
 
     def remove() -> None:
         if text in owner.__path__:
@@ -315,9 +296,7 @@ def _package_modules() -> List[str]:
 
 def _make_vendored_live(hooks: _Hooks, undo: List[_Undo]) -> None:
     """Purge any other cohere_compass from sys.modules and import ours under its name."""
-    pkg_dir = hooks.vendor / "mlx_vlm" / "models" / MODEL_TYPE
-    live = sys.modules.get(PACKAGE)
-    if live is not None and _within(getattr(live, "__file__", None), pkg_dir):
+    if is_vendored(sys.modules.get(PACKAGE)):
         return
     saved = {name: sys.modules[name] for name in _package_modules()}
     parent = hooks.models
@@ -335,23 +314,16 @@ def _make_vendored_live(hooks: _Hooks, undo: List[_Undo]) -> None:
     undo.append((f"restore the {PACKAGE} modules found in sys.modules", restore))
     for name in saved:
         del sys.modules[name]
-    # An explicit spec keeps the name mlx_vlm.models.cohere_compass, so the
-    # package's relative imports (..base, ..cache) reach the installed mlx-vlm.
+    # An explicit spec keeps the name, so the package's relative imports (..base, ..cache)
+    # reach the installed mlx-vlm.
+    pkg_dir = package_dir()
     spec = importlib.util.spec_from_file_location(
         PACKAGE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
     )
-    if spec is None or spec.loader is None:
-        raise CompassCompatError(f"cannot build an import spec for {pkg_dir}", mlx_vlm_version=hooks.version)
     module = importlib.util.module_from_spec(spec)
     sys.modules[PACKAGE] = module
     spec.loader.exec_module(module)
     setattr(parent, MODEL_TYPE, module)
-    if sys.modules.get(PACKAGE) is not module or not _within(module.__file__, pkg_dir):
-        raise CompassCompatError(
-            f"forcing the vendored {PACKAGE} failed: the live module comes from "
-            f"{getattr(sys.modules.get(PACKAGE), '__file__', None)}, not {pkg_dir}",
-            mlx_vlm_version=hooks.version,
-        )
 
 
 def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) -> None:
@@ -370,23 +342,14 @@ def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) 
     undo.append((f"restore mlx_vlm.prompt_utils.MODEL_CONFIG[{MODEL_TYPE!r}]", restore))
 
 
-_UNREADABLE = object()
-
-
 def _local_config(path: Any) -> Any:
     """config.json of a local folder: the parsed value, None if absent, or _UNREADABLE."""
     try:
-        config = os.path.join(os.fspath(path), "config.json")
-    except TypeError:
-        return None
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config, encoding="utf-8") as f:
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
             return json.load(f)
     except (UnicodeDecodeError, ValueError):
         return _UNREADABLE
-    except OSError:
+    except (TypeError, OSError):
         return None
 
 
@@ -399,104 +362,42 @@ def is_compass_checkpoint(path: Any) -> bool:
     return _says_compass(_local_config(path))
 
 
-def _vendored_processor(path: Any, *args: Any, **kwargs: Any) -> Any:
-    module = importlib.import_module(PROCESSING_MODULE)
-    processor_cls = getattr(module, PROCESSOR_CLASS, None)
-    if processor_cls is None or not hasattr(processor_cls, "from_pretrained"):
-        raise CompassCompatError(
-            f"{module.__file__} defines no {PROCESSOR_CLASS}.from_pretrained; "
-            f"cannot build the cohere_compass processor for {os.fspath(path)}",
-            hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
-            mlx_vlm_version=_mlx_vlm_version(),
-        )
-    # The folder is checked before the processor reads any file of it (the vendored
-    # package itself never imports this package); inside mlx_vlm.load, by taking the
-    # loader guard's verdict when the folder is unchanged since.
+def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
+    """A local cohere_compass folder gets the vendored torch-free processor, checked first
+    (``AutoProcessor`` itself: mlx-vlm 0.3.9 has no install_auto_processor_patch)."""
     from .load_checks import validate_load_step
 
-    validate_load_step(path, require_weights=False)
-    return processor_cls.from_pretrained(path, *args, **kwargs)
+    def from_pretrained(original: Callable[..., Any], cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_compass_checkpoint(path):
+            return original(cls, path, *args, **kwargs)
+        processor_cls = getattr(importlib.import_module(PROCESSING_MODULE), PROCESSOR_CLASS, None)
+        if not hasattr(processor_cls, "from_pretrained"):
+            raise CompassCompatError(
+                f"{PROCESSING_MODULE} defines no {PROCESSOR_CLASS}.from_pretrained; "
+                f"cannot build the cohere_compass processor for {os.fspath(path)}",
+                hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
+                mlx_vlm_version=_mlx_vlm_version(),
+            )
+        validate_load_step(path, require_weights=False)
+        return processor_cls.from_pretrained(path, *args, **kwargs)
 
-
-def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
-    if _STATE.processor_hook:
-        # Installed by an earlier default apply on a pin without upstream's
-        # package, so no upstream processor patch can sit above it.
-        return
-    auto = hooks.auto_processor
-    original = vars(auto).get("from_pretrained", _MISSING)
-    # Patch AutoProcessor.from_pretrained itself: it exists with every transformers
-    # mlx-vlm supports, whereas mlx-vlm's install_auto_processor_patch only exists
-    # from mlx-vlm 0.3.10 on (0.3.9 lacks it).
-    fallback = auto.from_pretrained  # bound, for the (never seen) inherited case
-    active = [True]
-
-    def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if active[0] and is_compass_checkpoint(pretrained_model_name_or_path):
-            return _vendored_processor(pretrained_model_name_or_path, *args, **kwargs)
-        target = original.__get__(None, cls) if original is not _MISSING else fallback
-        return target(pretrained_model_name_or_path, *args, **kwargs)
-
-    setattr(from_pretrained, TAG, True)
-    from_pretrained.__compass_compat_active__ = active  # type: ignore[attr-defined]
-    from_pretrained.__compass_compat_original__ = original  # type: ignore[attr-defined]
-    from_pretrained.__wrapped__ = getattr(original, "__func__", fallback)  # type: ignore[attr-defined]
-    from_pretrained.__doc__ = (
-        "compass-compat: cohere_compass folders get the vendored torch-free processor; "
-        "everything else goes to the wrapped AutoProcessor.from_pretrained."
-    )
-    wrapper = classmethod(from_pretrained)
-    auto.from_pretrained = wrapper
-
-    def restore() -> None:
-        active[0] = False
-        if vars(auto).get("from_pretrained") is wrapper:
-            if original is _MISSING:
-                delattr(auto, "from_pretrained")
-            else:
-                auto.from_pretrained = original
-        # else something (e.g. an mlx-vlm model's install_auto_processor_patch)
-        # wrapped ours since; ours stays in that chain as an inert pass-through.
-
-    undo.append(("restore transformers.AutoProcessor.from_pretrained", restore))
+    _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo, owner_name="transformers.AutoProcessor")
 
 
 def _install_loader_guard(undo: List[_Undo]) -> None:
-    """Check cohere_compass folders before ``mlx_vlm.utils.load_model`` reads anything.
-
-    mlx-vlm's loader reads files a checkpoint names before any model code runs: index
-    shards joined to the folder as given (0.6.12 on) and, from 0.7, config.json's
-    ``model_file``, which it imports. ``validate_checkpoint`` refuses those first; its
-    verdict serves the processor hook of the same load (``validate_load_start``).
-    """
-    utils = importlib.import_module("mlx_vlm.utils")
-    original = vars(utils).get("load_model", _MISSING)
-    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
-        return
+    """``validate_checkpoint`` before mlx-vlm's loader reads a file the folder names; the CPU
+    lanes on what it loaded (they install nothing off the CPU)."""
     from . import cpu_lanes
     from .load_checks import validate_load_start
 
-    @functools.wraps(original)
-    def load_model(model_path: Any, *args: Any, **kwargs: Any) -> Any:
-        # A config.json that is not JSON cannot say what model it is; the check's error
-        # (a ValueError, as json's own) names the file and what to do.
+    def load_model(original: Callable[..., Any], model_path: Any, *args: Any, **kwargs: Any) -> Any:
         config = _local_config(model_path)
-        if config is _UNREADABLE or _says_compass(config):
+        if config is _UNREADABLE or _says_compass(config):  # the check names an unreadable config.json
             validate_load_start(model_path)
             return cpu_lanes.apply(original(model_path, *args, **kwargs))
         return original(model_path, *args, **kwargs)
 
-    setattr(load_model, TAG, True)
-    utils.load_model = load_model
-
-    def restore() -> None:
-        if vars(utils).get("load_model") is load_model:
-            utils.load_model = original
-
-    undo.append(("restore mlx_vlm.utils.load_model", restore))
-
-
-_VIDEO_ITEM_TYPES = ("video", "video_url", "input_video")
+    _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo, owner_name="mlx_vlm.utils")
 
 
 def _is_video_item(item: Any) -> bool:
@@ -504,23 +405,13 @@ def _is_video_item(item: Any) -> bool:
 
 
 def _install_video_prompt_hook(undo: List[_Undo]) -> None:
-    """Give cohere_compass user turns their video parts in mlx-vlm's chat formatting.
+    """A cohere_compass user turn with videos gets one video part per video after its images
+    (mlx-vlm formats video only for the models it names)."""
+    formatter = getattr(importlib.import_module("mlx_vlm.prompt_utils"), "MessageFormatter", None)
+    if not isinstance(formatter, type):
+        return  # a pin without the class formats no video for any model
 
-    mlx-vlm's ``MessageFormatter.format_message`` formats ``video=`` only for the models it
-    lists by name, so for cohere_compass the video part is dropped from the prompt while the
-    frames still reach the processor (which then refuses the mismatch). Here a user turn that
-    carries videos (``video=`` for a text prompt, or video items among its content parts) is
-    formatted by mlx-vlm without them, then gets one ``{"type": "video"}`` part per video after
-    its image parts (the image-first layout), as the chat template renders them.
-    """
-    prompt_utils = importlib.import_module("mlx_vlm.prompt_utils")
-    formatter = getattr(prompt_utils, "MessageFormatter", None)
-    original = vars(formatter).get("format_message", _MISSING) if isinstance(formatter, type) else _MISSING
-    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
-        return  # a pin without the class formats no video for any model: nothing to extend
-
-    @functools.wraps(original)
-    def format_message(self: Any, prompt: Any, role: str = "user", *args: Any, **kwargs: Any) -> Any:
+    def format_message(original: Callable[..., Any], self: Any, prompt: Any, role: str = "user", *args, **kwargs):
         videos = kwargs.get("video")
         explicit = [item for item in prompt if _is_video_item(item)] if isinstance(prompt, list) else []
         if getattr(self, "model_name", None) != MODEL_TYPE or role != "user" or not (videos or explicit):
@@ -539,48 +430,19 @@ def _install_video_prompt_hook(undo: List[_Undo]) -> None:
         content[at:at] = [{"type": "video"} for _ in range(count)]
         return {**message, "content": content}
 
-    setattr(format_message, TAG, True)
-    formatter.format_message = format_message
-
-    def restore() -> None:
-        if vars(formatter).get("format_message") is format_message:
-            formatter.format_message = original
-
-    undo.append(("restore mlx_vlm.prompt_utils.MessageFormatter.format_message", restore))
-
-
-VIDEO_MODULE = f"{PACKAGE}.video_processing_{MODEL_TYPE}"
-
-
-def _vendored_is_live() -> bool:
-    live = sys.modules.get(PACKAGE)
-    return live is not None and _within(getattr(live, "__file__", None), package_dir())
+    _wrap(formatter, "format_message", format_message, undo, owner_name="mlx_vlm.prompt_utils.MessageFormatter")
 
 
 def _install_video_file_hook(undo: List[_Undo]) -> None:
-    """Let the cohere_compass processor read the reference's frames of files mlx-vlm decoded.
-
-    mlx-vlm 0.6.x's ``load_video(path, fps=...)`` samples a file by its own rule (an even number
-    of frames) and returns the frames and a rate, not their indices; 0.7.x instead asks the
-    processor's ``sample_frames`` (``frame_sampler``) and returns the indices. Where
-    ``load_video`` takes no ``frame_sampler``, it is wrapped: its result is unchanged (every
-    model gets what it got), and the returned frames are remembered with their file and rate
-    in ``video_files.DECODED_VIDEOS``, which the vendored video processor's ``reread_decoded`` asks,
-    so the cohere_compass processor that receives them reads that file's frames by the reference's
-    rule, with their times.
-    """
-    import inspect
-
+    """mlx-vlm 0.6.x's ``load_video`` (no ``frame_sampler``): its frames remembered with their
+    file and rate, so the processor reads that file's frames by the reference's rule."""
     utils = importlib.import_module("mlx_vlm.utils")
-    original = vars(utils).get("load_video", _MISSING)
-    if original is _MISSING or not callable(original) or getattr(original, TAG, False):
-        return  # no file decoding in this mlx-vlm (0.3.x, 0.4.x): nothing to extend
-    try:
-        parameters = inspect.signature(original).parameters
-    except (TypeError, ValueError):
-        return
+    original = vars(utils).get("load_video")
+    if not callable(original):
+        return  # mlx-vlm 0.3.x, 0.4.x decode no video files
+    parameters = inspect.signature(original).parameters
     if "frame_sampler" in parameters:
-        return  # mlx-vlm asks the processor's sample_frames itself (sample_frames_in_loader)
+        return  # mlx-vlm 0.7.x asks the processor's sample_frames itself
     from .video_files import DECODED_VIDEOS
 
     fps_default = parameters["fps"].default if "fps" in parameters else 2.0
@@ -597,25 +459,25 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         processor.reread_decoded = DECODED_VIDEOS.reread
         return DECODED_VIDEOS
 
-    @functools.wraps(original)
-    def load_video(video_path: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_video(original: Callable[..., Any], video_path: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(video_path, *args, **kwargs)
         requested = kwargs.get("fps", args[0] if args else fps_default)
-        if isinstance(result, tuple) and result and kwargs.get("nframes") is None and _vendored_is_live():
+        if (
+            isinstance(result, tuple)
+            and result
+            and kwargs.get("nframes") is None
+            and is_vendored(sys.modules.get(PACKAGE))
+        ):
             registry().remember(result[0], str(video_path), requested)
         return result
 
-    setattr(load_video, TAG, True)
-    utils.load_video = load_video
-
-    def restore() -> None:
+    def forget_reader() -> None:
         processor = getattr(sys.modules.get(VIDEO_MODULE), "CohereCompassVideoProcessor", None)
         if processor is not None and hasattr(processor, "reread_decoded"):
             processor.reread_decoded = None
-        if vars(utils).get("load_video") is load_video:
-            utils.load_video = original
 
-    undo.append(("restore mlx_vlm.utils.load_video", restore))
+    undo.append(("forget the video reader", forget_reader))
+    _wrap(utils, "load_video", load_video, undo, owner_name="mlx_vlm.utils")
 
 
 # ------------------------------------------------------------------- public
@@ -681,12 +543,9 @@ def apply_patch(
                 "(the first release that does is 0.6.13): use auto or vendored",
                 mlx_vlm_version=hooks.version,
             )
-        if switch != "auto":
-            live = switch
-        vendored = live == "vendored"
-        # Where upstream ships one (or the switch asks), the vendored package is made live now,
-        # purging upstream's; elsewhere it resolves through the appended path entry when mlx-vlm
-        # imports it.
+        vendored = (live if switch == "auto" else switch) == "vendored"
+        # Made live now where upstream ships one (or the switch asks); elsewhere it resolves
+        # through the appended path entry when mlx-vlm imports it.
         force = vendored and (upstream or switch == "vendored")
         if _STATE.applied:
             if _STATE.forced and not force:
@@ -698,8 +557,6 @@ def apply_patch(
             if (_STATE.forced or not force) and (_STATE.mlx_lm or not lm):
                 return False
         if lm and not (vendored or _STATE.forced):
-            # mlx-vlm >= 0.6.13 with its own cohere_compass live: the mlx-lm module reuses the
-            # vendored decoder classes, which are then not importable.
             raise CompassCompatError(
                 f"compass-compat cannot register cohere_compass with mlx-lm: mlx-vlm {hooks.version}'s own "
                 f"cohere_compass is live ({source}), and the mlx-lm model reuses the vendored decoder; "
@@ -714,15 +571,13 @@ def apply_patch(
             if force:
                 _make_vendored_live(hooks, steps)
             _register_message_format(hooks, overwrite=force, undo=steps)
-            # Where upstream's package is live its own processing module registers its
-            # processor: leave that path alone.
-            if vendored:
-                _install_processor_hook(hooks, steps)
+            if vendored:  # upstream's package, where live, registers its own processor
+                if not _STATE.processor_hook:
+                    _install_processor_hook(hooks, steps)
                 _install_loader_guard(steps)
                 _install_video_prompt_hook(steps)
                 _install_video_file_hook(steps)
-            if lm:
-                # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path).
+            if lm:  # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path)
                 _append_path(hooks.mlx_lm_models, "mlx_lm.models", hooks.vendor / "mlx_lm" / "models", steps)
         except BaseException:
             _run_undo(steps, hooks.version)
@@ -740,51 +595,32 @@ def apply_patch(
     return True
 
 
-_LOGGED: List[bool] = []
-
-
+@functools.lru_cache(maxsize=None)
 def _log_choice() -> None:
     """One INFO line per process naming the live cohere_compass and why."""
-    if _LOGGED:
-        return
-    _LOGGED.append(True)
     info = implementation_info()
     logging.getLogger("compass_compat").info("cohere_compass: %s live (%s)", info.implementation, info.reason)
 
 
 def remove_patch() -> bool:
-    """Undo :func:`apply_patch` (meant for tests and pin-bump checks).
-
-    Restores ``__path__`` (mlx-vlm's and mlx-lm's), ``MODEL_CONFIG``,
-    ``AutoProcessor.from_pretrained`` and any upstream modules a forced apply
-    purged, and drops the vendored modules from ``sys.modules``. Returns False
-    if nothing was applied.
-    """
+    """Undo :func:`apply_patch` (meant for tests and pin-bump checks): every hook restored, the
+    upstream modules a forced apply purged put back, the vendored modules dropped from
+    ``sys.modules``. Returns False if nothing was applied."""
     with _LOCK:
         if not _STATE.applied:
             return False
-        version = _mlx_vlm_version()
-        steps, _STATE.undo = _STATE.undo, []
-        _STATE.applied, _STATE.forced, _STATE.force_source = False, False, ""
-        _STATE.switch, _STATE.switch_source, _STATE.verdict = "auto", "", None
-        _STATE.processor_hook = False
-        _STATE.mlx_lm = False
-        _run_undo(steps, version)
-        _forget_vendored_modules()
+        steps = _STATE.undo
+        _STATE.__init__()  # type: ignore[misc]
+        _run_undo(steps, _mlx_vlm_version())
+        root = vendor_root()
+        for name, module in list(sys.modules.items()):
+            if name.startswith(("mlx_vlm.", "mlx_lm.")) and within(getattr(module, "__file__", None), root):
+                del sys.modules[name]
+                parent_name, _, child = name.rpartition(".")
+                parent = sys.modules.get(parent_name)
+                if parent is not None and vars(parent).get(child) is module:
+                    delattr(parent, child)
         return True
-
-
-def _forget_vendored_modules() -> None:
-    """Drop vendored modules (and their attributes on the parent package)."""
-    root = vendor_root()
-    for name, module in list(sys.modules.items()):
-        if not (name.startswith(("mlx_vlm.", "mlx_lm.")) and _within(getattr(module, "__file__", None), root)):
-            continue
-        del sys.modules[name]
-        parent_name, _, child = name.rpartition(".")
-        parent = sys.modules.get(parent_name)
-        if parent is not None and vars(parent).get(child) is module:
-            delattr(parent, child)
 
 
 def implementation_info() -> ImplementationInfo:
@@ -801,12 +637,7 @@ def implementation_info() -> ImplementationInfo:
         else:
             spec = importlib.machinery.PathFinder.find_spec(PACKAGE, list(getattr(models, "__path__", [])))
             file = spec.origin if spec is not None else None
-        if file is None:
-            kind = "none"
-        elif _within(file, root):
-            kind = "vendored"
-        else:
-            kind = "upstream"
+        kind = "none" if file is None else ("vendored" if within(file, root) else "upstream")
         applied, forced = _STATE.applied, _STATE.forced
         switch, switch_source, verdict = _STATE.switch, _STATE.switch_source, _STATE.verdict
     if verdict is None and upstream:

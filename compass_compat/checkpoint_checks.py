@@ -1,91 +1,38 @@
 """Checks on a cohere_compass checkpoint folder that mlx-vlm's own loader does not make.
 
-:func:`validate_checkpoint` reads only small files (JSON configs and the safetensors
-headers, never tensor data, never a pickle, never checkpoint code) and raises
-:class:`CheckpointError` (a ``ValueError``) saying what is wrong and what to do:
-
-- the folder: every entry, and every path a config names (index shards), must resolve
-  inside the folder (or, for a Hugging Face cache snapshot, inside that repo's ``blobs``);
-- ``config.json``: present, JSON, ``model_type`` ``cohere_compass``, no ``model_file``
-  (mlx-vlm >= 0.7 would execute it), values the model accepts (the vendored
-  ``ModelConfig`` is the judge), and, for a folder with weights, a ``text_config`` with
-  ``rope_parameters`` and a ``vision_config``;
-- the image settings: the file transformers reads them from (``processor_config.json``'s
-  ``image_processor`` block, else ``preprocessor_config.json``) has positive patch sizes, and
-  the pixel bounds the processor will use (that file plus ``tokenizer_config.json``'s
-  ``min_pixels`` / ``max_pixels``, resolved by the vendored processor's
-  ``resolve_pixel_bounds``) are positive with min <= max;
-- weights: safetensors only (pickle files are ignored, or refused when they are all there
-  is), each header well formed and not truncated, every tensor the model needs present
-  with the shape ``config.json`` implies and nothing else (the head as
-  ``ModelConfig.head_tied`` decides from the tie keys and whether ``lm_head`` is stored),
-  and a ``quantization`` block that agrees with the stored quantized tensors, in a mode
-  this mlx-vlm and mlx are measured to load (``compass_compat.probes``; else the error names
-  the mode, both versions, what the probe measured and what to use instead).
-
-Where it runs: hosts can call it before ``mlx_vlm.load``; the shim's loader guard (below) checks
-every load, and its ``AutoProcessor`` hook (``require_weights=False``, before it builds the vendored
-processor) takes the guard's verdict when the folder is unchanged since, else checks again
-(:mod:`compass_compat.load_checks`): one check per ``mlx_vlm.load``.
-
-What mlx-vlm's own ``load_model`` reads first, per pin; the shim's loader guard (see below)
-runs this check before it, so a refused folder has had none of these read:
-
-- every pin: ``config.json``; every ``*.safetensors`` in the folder, following symlinks
-  (tensor data is read when ``load`` evaluates the parameters);
-- 0.4.4 and later: ``generation_config.json``;
-- 0.6.12 and later: ``model.safetensors.index.json`` and the shards it names, joined to the
-  folder as given (``../`` and absolute names included), and ``hf_quant_config.json``;
-- 0.7.x: the file named by config.json's ``model_file``, which it imports (runs).
-
-The files the processor reads (tokenizer files, ``processor_config.json``,
-``preprocessor_config.json``, chat templates) are checked before they are opened, on every pin; mlx-vlm reads
-``tokenizer.json`` again only after the processor was built. Nothing here unpickles,
-imports checkpoint code, or honours ``trust_remote_code``. So that a folder is refused
-before mlx-vlm's first read, the shim wraps ``mlx_vlm.utils.load_model`` to call
-:func:`validate_checkpoint` on cohere_compass folders (whenever the vendored model is live).
+:func:`validate_checkpoint` reads only small files (JSON configs, safetensors headers) and raises
+:class:`CheckpointError` saying what is wrong and what to do; what it refuses, and what mlx-vlm's
+loader would read first on each pin, is in docs/checkpoint-files.md. The shim's loader guard runs
+it on every load (:mod:`compass_compat.load_checks`: one check per ``mlx_vlm.load``).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math
 import os
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from compass_data.weight_tree import weight_tree
 
-from .vendor import file_module, package_dir
+from .vendor import vendored_module
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-# Config keys of text_config / vision_config that set tensor shapes, with the reference's
-# defaults (transformers' CohereCompassTextConfig / CohereCompassVisionConfig).
+# Keys that set tensor shapes whose reference defaults describe another model (named when absent).
 SHAPE_KEYS = {
-    "text_config": (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "attention_bias",
-    ),
+    "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
     "vision_config": (
         "depth",
         "hidden_size",
         "intermediate_size",
         "num_heads",
-        "in_channels",
         "patch_size",
         "temporal_patch_size",
         "spatial_merge_size",
@@ -95,24 +42,15 @@ SHAPE_KEYS = {
     ),
 }
 _DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-    "C64": 8,
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
 }
+PUBLISHED_IMAGE_SETTINGS = (
+    " (published: size.shortest_edge 65536 = min pixels, size.longest_edge 16777216 = max pixels, patch_size 16, "
+    "merge_size 2, temporal_patch_size 2; tokenizer_config.json: min_pixels 16384, max_pixels 3868706)"
+)
 _PREPROCESSOR_INTS = (
     "patch_size",
     "merge_size",
@@ -135,6 +73,38 @@ class CheckpointError(ValueError):
         super().__init__(message)
         self.folder = None if folder is None else Path(folder)
         self.file = file
+
+
+# One template per kind of remedy; the refusals that need their own fix write it out.
+def _restore(folder: Path, label: str, problem: str, published: str = "") -> CheckpointError:
+    """A damaged file (``label``: the file, or the file and its block): restore it."""
+    message = f"{label} in {folder}{problem}; restore it from the published checkpoint{published}"
+    return CheckpointError(message, folder=folder, file=label.split()[0])
+
+
+def _download(folder: Path, label: str, problem: str, cause: str, file: Optional[str] = None) -> CheckpointError:
+    """An incomplete or interrupted download: download it again."""
+    message = f"{label} in {folder} {problem}; {cause}: download it again"
+    return CheckpointError(message, folder=folder, file=file or label)
+
+
+def _mismatch(folder: Path, problem: str, config: Dict[str, Any], file: Optional[str] = None) -> CheckpointError:
+    """config.json and the weights disagree: use the pair published together."""
+    remedy = "Use the config.json published with these weights, or the weights published with it."
+    message = f"{folder}: {problem}. {remedy}" + _defaulted_hint(config)
+    return CheckpointError(message, folder=folder, file=file)
+
+
+def _config_fix(folder: Path, problem: str, fix: str = "") -> CheckpointError:
+    """config.json says otherwise than the weights: fix it, or restore the published one."""
+    remedy = f"{fix}restore the config.json published with these weights"
+    return CheckpointError(f"{folder}: {problem}. {remedy[0].upper()}{remedy[1:]}", folder=folder, file="config.json")
+
+
+def _outside(folder: Path, what: str, name: str, problem: str, fix: str) -> CheckpointError:
+    """A path that leaves the folder: compass-compat reads only inside it."""
+    message = f"{what} {name!r} in {folder} {problem}; compass-compat reads only files inside it: {fix}"
+    return CheckpointError(message, folder=folder, file=name)
 
 
 @dataclass(frozen=True)
@@ -245,26 +215,17 @@ def _check_entries(folder: Path, roots: Tuple[str, ...]) -> None:
 def _check_reference(folder: Path, name: str, roots: Tuple[str, ...], what: str) -> Path:
     """Resolve ``name`` inside ``folder``; refuse anything that leaves it."""
     if os.path.isabs(name) or ".." in Path(name).parts:
-        raise CheckpointError(
-            f"{what} {name!r} in {folder} points outside the checkpoint folder; compass-compat "
-            "reads only files inside it: put the file in the folder and name it relative to it",
-            folder=folder,
-            file=name,
-        )
+        fix = "put the file in the folder and name it relative to it"
+        raise _outside(folder, what, name, "points outside the checkpoint folder", fix)
     path = folder / name
     target = os.path.realpath(path)
     if not _inside(target, roots):
-        raise CheckpointError(
-            f"{what} {name!r} in {folder} is a link to {target}, outside the checkpoint folder; "
-            "compass-compat reads only files inside it: copy the file into the folder",
-            folder=folder,
-            file=name,
+        raise _outside(
+            folder, what, name, f"is a link to {target}, outside the checkpoint folder", "copy the file into the folder"
         )
     if path.is_symlink() and not os.path.exists(target):
-        raise CheckpointError(
-            f"{what} {name!r} in {folder} is a broken link (to {target}); re-download the checkpoint",
-            folder=folder,
-            file=name,
+        raise _download(
+            folder, f"{what} {name!r}", f"is a broken link (to {target})", "the download is incomplete", name
         )
     return path
 
@@ -281,20 +242,17 @@ def _read_json(folder: Path, name: str, *, required: bool) -> Optional[Dict[str,
             )
         return None
 
-    def damaged(problem: str) -> CheckpointError:
-        return CheckpointError(
-            f"{name} in {folder} {problem}; restore the file from the published checkpoint", folder=folder, file=name
-        )
-
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as err:
-        raise damaged(f"is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from err
+        raise _restore(
+            folder, name, f" is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from err
     except UnicodeDecodeError as err:
-        raise damaged(f"is not UTF-8 text ({err})") from err
+        raise _restore(folder, name, f" is not UTF-8 text ({err})") from err
     if not isinstance(data, dict):
-        raise damaged(f"must hold a JSON object, not {type(data).__name__}")
+        raise _restore(folder, name, f" must hold a JSON object, not {type(data).__name__}")
     return data
 
 
@@ -330,19 +288,13 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
 
 
 def _config_module():
-    # The vendored config.py: it imports only the standard library.
-    return file_module("config")
+    return vendored_module("config")
 
 
 def _model_config(folder: Path, config: Dict[str, Any]):
     for key in ("text_config", "vision_config"):
         if config.get(key) is not None and not isinstance(config[key], dict):
-            raise CheckpointError(
-                f"config.json in {folder}: {key} must be a JSON object, not "
-                f"{type(config[key]).__name__}; restore it from the published checkpoint",
-                folder=folder,
-                file="config.json",
-            )
+            raise _restore(folder, "config.json", f": {key} must be a JSON object, not {type(config[key]).__name__}")
     model_config_cls = _config_module().ModelConfig
     try:
         return model_config_cls.from_dict(config)
@@ -383,16 +335,10 @@ def _check_sub_configs(folder: Path, config: Dict[str, Any]) -> None:
 # ------------------------------------------------------------------ preprocessor
 
 
-@functools.lru_cache(maxsize=1)
 def processing_module():
-    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one
-    the processor, these checks and the checklist share): the live module when the vendored
-    package is live, else loaded by path (upstream's package may be the live one)."""
-    path = (package_dir() / "processing_cohere_compass.py").resolve()
-    live = sys.modules.get(f"mlx_vlm.models.{MODEL_TYPE}.processing_cohere_compass")
-    if live is not None and Path(getattr(live, "__file__", None) or "").resolve() == path:
-        return live
-    return file_module("processing_cohere_compass")
+    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one the
+    processor and these checks share), the process's one copy."""
+    return vendored_module("processing_cohere_compass")
 
 
 def pixel_bounds(
@@ -410,54 +356,24 @@ def _check_image_settings(folder: Path) -> None:
         _read_json(folder, "processor_config.json", required=False),
         _read_json(folder, "preprocessor_config.json", required=False),
     )
-    file = source.split()[0] if source else None
     if not isinstance(settings, dict):
-        raise CheckpointError(
-            f"{source} in {folder} must be a JSON object, not {type(settings).__name__}; "
-            "restore it from the published checkpoint",
-            folder=folder,
-            file=file,
-        )
-    size = settings.get("size")
-    if size is not None and not isinstance(size, dict):
-        raise CheckpointError(
-            f"{source} in {folder}: size must be an object with shortest_edge / longest_edge (min / max pixels)",
-            folder=folder,
-            file=file,
-        )
-    values = {f"size.{k}": v for k, v in (size or {}).items() if k in ("shortest_edge", "longest_edge")}
+        raise _restore(folder, source, f" must be a JSON object, not {type(settings).__name__}")
+    tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False) or {}
+    for label, values in ((source, settings), ("tokenizer_config.json", tokenizer_config)):
+        if values.get("size") is not None and not isinstance(values["size"], dict):
+            problem = ": size must be an object with shortest_edge / longest_edge (min / max pixels)"
+            raise _restore(folder, label, problem, PUBLISHED_IMAGE_SETTINGS)
+    values = {f"size.{k}": v for k, v in (settings.get("size") or {}).items() if k in ("shortest_edge", "longest_edge")}
     values.update({k: settings[k] for k in _PREPROCESSOR_INTS if settings.get(k) is not None})
-    for key, value in values.items():
-        if not _positive_int(value):
-            raise CheckpointError(
-                f"{source} in {folder}: {key} must be a positive integer, got {value!r}; "
-                "restore it from the published checkpoint (size.shortest_edge 65536 = min pixels, "
-                "size.longest_edge 16777216 = max pixels, patch_size 16, merge_size 2, "
-                "temporal_patch_size 2)",
-                folder=folder,
-                file=file,
-            )
-    tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False)
-    if (tokenizer_config or {}).get("size") is not None and not isinstance(tokenizer_config["size"], dict):
-        raise CheckpointError(
-            f"tokenizer_config.json in {folder}: size must be an object with shortest_edge / "
-            "longest_edge (min / max pixels); the processor merges it into every image call",
-            folder=folder,
-            file="tokenizer_config.json",
-        )
     bounds = module.resolve_pixel_bounds(settings, source, tokenizer_config)
-    for what, value, where in (
-        ("min_pixels", bounds.min_pixels, bounds.min_source),
-        ("max_pixels", bounds.max_pixels, bounds.max_source),
-    ):
-        if not _positive_int(value):  # only tokenizer_config.json is left to hold a bad one
-            raise CheckpointError(
-                f"{_file_of(where)} in {folder}: {what} must be a positive integer, got {value!r} (from "
-                f"{where}); the processor merges it into every image call. Restore the published value "
-                "(tokenizer_config.json: min_pixels 16384, max_pixels 3868706) or remove the key",
-                folder=folder,
-                file=_file_of(where),
-            )
+    checked = [(source, key, value) for key, value in values.items()]
+    # The settings file's bounds are checked above: only tokenizer_config.json can give a bad one here.
+    checked += [(_file_of(bounds.min_source), "min_pixels", bounds.min_pixels)]
+    checked += [(_file_of(bounds.max_source), "max_pixels", bounds.max_pixels)]
+    for label, key, value in checked:
+        if not _positive_int(value):
+            problem = f": {key} must be a positive integer, got {value!r}"
+            raise _restore(folder, label, problem, PUBLISHED_IMAGE_SETTINGS)
     if bounds.min_pixels > bounds.max_pixels:
         raise CheckpointError(
             f"{folder}: min pixels {bounds.min_pixels} (from {bounds.min_source}) exceed max pixels "
@@ -487,19 +403,12 @@ def _weight_files(folder: Path, roots: Tuple[str, ...]) -> Tuple[List[str], List
         # mlx-vlm >= 0.6 reads the shards named by the index (0.3.9 / 0.4.4 glob only).
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(
-                f"{INDEX_FILE} in {folder} has no weight_map object; restore it from the published checkpoint",
-                folder=folder,
-                file=INDEX_FILE,
-            )
+            raise _restore(folder, INDEX_FILE, " has no weight_map object")
         for shard in sorted(set(map(str, weight_map.values()))):
             _check_reference(folder, shard, roots, what=f"{INDEX_FILE} shard")
             if not (folder / shard).is_file():
-                raise CheckpointError(
-                    f"{INDEX_FILE} in {folder} names shard {shard!r}, which is missing; "
-                    "the download is incomplete: download it again",
-                    folder=folder,
-                    file=shard,
+                raise _download(
+                    folder, INDEX_FILE, f"names shard {shard!r}, which is missing", "the download is incomplete", shard
                 )
             if shard not in files:
                 files.append(shard)
@@ -513,12 +422,8 @@ def _read_header(folder: Path, name: str) -> Dict[str, Dict[str, Any]]:
     size = path.stat().st_size
 
     def broken(why: str) -> CheckpointError:
-        return CheckpointError(
-            f"{name} in {folder} is not a valid safetensors file ({why}); the download "
-            "was probably interrupted or the file corrupted: download it again",
-            folder=folder,
-            file=name,
-        )
+        cause = "the download was probably interrupted or the file corrupted"
+        return _download(folder, name, f"is not a valid safetensors file ({why})", cause)
 
     with open(path, "rb") as f:
         head = f.read(8)
@@ -574,13 +479,7 @@ def expected_tensors(model_config, tied: Optional[bool] = None) -> Dict[str, Tup
 
 
 def _defaulted_hint(config: Dict[str, Any]) -> str:
-    missing = [
-        f"{sub}.{k}"
-        for sub, keys in SHAPE_KEYS.items()
-        for k in keys
-        if k not in (config.get(sub) or {})
-        and k not in ("head_dim", "attention_bias", "num_key_value_heads", "in_channels")
-    ]
+    missing = [f"{sub}.{k}" for sub, keys in SHAPE_KEYS.items() for k in keys if k not in (config.get(sub) or {})]
     if not missing:
         return ""
     return (
@@ -601,7 +500,6 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
                 stored[mlx] = info
                 original[mlx] = key
     expected = expected_tensors(model_config, tied)
-    hint = _defaulted_hint(config)
 
     def where(mlx: str) -> str:
         return f"{original[mlx]} (in {stored[mlx]['file']})"
@@ -614,46 +512,39 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
     unexpected = sorted(k for k in stored if k not in allowed)
     if unexpected:
         post_norm = any("post_attention_layernorm" in k for k in unexpected)
-        raise CheckpointError(
-            f"{folder}: {len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. "
-            + ", ".join(where(k) for k in unexpected[:5])
-            + (
-                ". A post_attention_layernorm means these weights are not cohere_compass"
-                if post_norm
-                else ". The weights belong to another model or configuration"
-            )
-            + ": use the config.json published with these weights, or the weights published with it."
-            + hint,
-            folder=folder,
-            file=stored[unexpected[0]]["file"],
+        whose = (
+            "A post_attention_layernorm means these weights are not cohere_compass"
+            if post_norm
+            else ("The weights belong to another model or configuration")
         )
+        examples = ", ".join(where(k) for k in unexpected[:5])
+        problem = (
+            f"{len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. {examples}. {whose}"
+        )
+        raise _mismatch(folder, problem, config, stored[unexpected[0]]["file"])
     missing = sorted(k for k in expected if k not in stored)
     if missing:
-        raise CheckpointError(
-            f"{folder}: {len(missing)} tensor(s) the model needs are not stored, e.g. {', '.join(missing[:5])}. "
-            "The weights are incomplete or for another configuration: re-download the checkpoint, or use "
-            "the config.json published with these weights." + hint,
-            folder=folder,
+        problem = (
+            f"{len(missing)} tensor(s) the model needs are not stored, e.g. {', '.join(missing[:5])}. "
+            "The weights are incomplete or for another configuration: re-download the checkpoint if incomplete"
         )
+        raise _mismatch(folder, problem, config)
     for key, (shape, kind) in expected.items():
         if key.rsplit(".", 1)[0] in qset:
             continue  # checked with the quantization block
         got = stored[key]["shape"]
         ok = got == shape or (kind == "conv" and got == (shape[0], shape[4], shape[1], shape[2], shape[3]))
         if not ok:
-            raise CheckpointError(
-                f"{folder}: {where(key)} has shape {list(got)} but config.json implies {list(shape)}; "
-                "config.json and the weights disagree: use the config.json published with these weights." + hint,
-                folder=folder,
-                file=stored[key]["file"],
-            )
+            problem = f"{where(key)} has shape {list(got)} but config.json implies {list(shape)}; config.json and the weights disagree"
+            raise _mismatch(folder, problem, config, stored[key]["file"])
 
 
 def _check_head(folder: Path, model_config, headers) -> bool:
     """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
     counts as used: whether it equals the embedding needs the data), or refuse."""
+    weight_key = _config_module().weight_key
     lm_head_stored = any(
-        (_config_module().weight_key(key, False) or "").startswith("language_model.lm_head.")
+        (weight_key(key, False) or "").startswith("language_model.lm_head.")
         for entries in headers.values()
         for key in entries
     )
@@ -754,13 +645,8 @@ def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> 
         )
     need_group, need_bits = QUANT_MODES[mode]
     if (group, bits) != (need_group, need_bits):
-        raise CheckpointError(
-            f"{folder}: config.json's quantization mode {mode!r} needs group_size {need_group} and bits "
-            f"{need_bits}, but {module} has group_size {group} and bits {bits}; restore the config.json "
-            "published with these weights",
-            folder=folder,
-            file="config.json",
-        )
+        problem = f"config.json's quantization mode {mode!r} needs group_size {need_group} and bits {need_bits}, but {module} has group_size {group} and bits {bits}"
+        raise _config_fix(folder, problem)
     from . import probes
 
     loader = probes.loader_passes_mode(mode, group, bits)
@@ -793,13 +679,12 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
     first = quantized[0]
     if not isinstance(block, dict):
         bits, group = _stored_quantization(expected, stored, first)
-        raise CheckpointError(
-            f"{folder}: {where(first + '.scales')} shows the weights are quantized ({bits}-bit, group size "
-            f"{group}), but config.json has no quantization block, so the model would be built unquantized. "
-            f'Add "quantization": {{"group_size": {group}, "bits": {bits}, "mode": "affine"}} '
-            "(or restore the config.json published with these weights)",
-            folder=folder,
-            file="config.json",
+        problem = (
+            f"{where(first + '.scales')} shows the weights are quantized ({bits}-bit, group size {group}), but "
+            "config.json has no quantization block, so the model would be built unquantized"
+        )
+        raise _config_fix(
+            folder, problem, f'Add "quantization": {{"group_size": {group}, "bits": {bits}, "mode": "affine"}} or '
         )
     for module in quantized:
         weight = module + ".weight"
@@ -813,35 +698,23 @@ def _check_quantization(folder: Path, config, expected, stored, quantized, where
         if settings is None:
             settings = block
         if settings is False:
-            raise CheckpointError(
-                f"{folder}: config.json's quantization block says {module} is not quantized, but "
-                f"{where(module + '.scales')} is stored: restore the config.json published with these weights",
-                folder=folder,
-                file="config.json",
-            )
+            problem = f"config.json's quantization block says {module} is not quantized, but {where(module + '.scales')} is stored"
+            raise _config_fix(folder, problem)
         settings = settings if isinstance(settings, dict) else block
         want_bits, want_group = settings.get("bits"), settings.get("group_size")
         mode = settings.get("mode", "affine")
         bits, group = _stored_quantization(expected, stored, module)
         if (bits, group) != (want_bits, want_group):
-            raise CheckpointError(
-                f"{folder}: config.json's quantization block says bits={want_bits}, group_size={want_group}, "
-                f"but {where(weight)} is stored with {bits} bits and group size {group} "
-                f"(weight {list(stored[weight]['shape'])}, scales {list(stored[module + '.scales']['shape'])}). "
-                f'Set quantization to {{"group_size": {group}, "bits": {bits}}} or restore the '
-                "config.json published with these weights",
-                folder=folder,
-                file="config.json",
+            problem = (
+                f"config.json's quantization block says bits={want_bits}, group_size={want_group}, but {where(weight)} is "
+                f"stored with {bits} bits and group size {group} (weight {list(stored[weight]['shape'])}, "
+                f"scales {list(stored[module + '.scales']['shape'])})"
             )
+            raise _config_fix(folder, problem, f'Set quantization to {{"group_size": {group}, "bits": {bits}}} or ')
         _check_mode(folder, module, mode, want_bits, want_group)
         if mode != "affine" and module + ".biases" in stored:
-            raise CheckpointError(
-                f"{folder}: {module} is quantized in mode {mode!r}, which has no biases, but "
-                f'{where(module + ".biases")} is stored: these are affine weights; set the mode to "affine" '
-                "or restore the config.json published with them",
-                folder=folder,
-                file="config.json",
-            )
+            problem = f"{module} is quantized in mode {mode!r}, which has no biases, but {where(module + '.biases')} is stored"
+            raise _config_fix(folder, problem, 'these are affine weights: set the mode to "affine" or ')
         if mode == "affine" and stored.get(module + ".biases", {}).get("shape") != stored[module + ".scales"]["shape"]:
             raise CheckpointError(
                 f"{folder}: {module} is quantized in affine mode but its .biases tensor is missing or shaped "

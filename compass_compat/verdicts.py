@@ -3,8 +3,7 @@ items each mlx-vlm release's own ``cohere_compass`` passes, as the pin-bump job 
 
 :func:`apply_patch` reads them to decide which ``cohere_compass`` is live: upstream's only on a
 release whose recorded upstream verdict passes every item. CHECKLIST.md's table and
-tests/test_checklist.py read the same file; ``scripts/pin_bump/pin_bump.sh`` writes it
-(:func:`record`).
+tests/test_checklist.py read the same file; ``scripts/pin_bump/record.py`` writes it.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import CompassCompatError
 
@@ -103,69 +102,6 @@ def upstream_verdict(release: str, path: Optional[Path] = None) -> Verdict:
     )
     measured = f"`{entry.get('command', '?')}` on {entry.get('date', '?')}"
     return Verdict(release, recorded=True, failing=failing, measured=measured)
-
-
-def record(
-    release: str,
-    reports: Dict[str, Dict[str, Any]],
-    items: Dict[str, str],
-    command: str,
-    date: str,
-    commit: str,
-    path: Optional[Path] = None,
-) -> Dict[str, Any]:
-    """Write ``release``'s verdicts (``reports``: implementation -> the checklist's ``--json``)
-    into the record at ``path``, releases in version order; returns the entry written."""
-    from packaging.version import Version
-
-    path = FILE if path is None else path
-    data = load(path) if path.exists() else {"about": "", "items": {}, "releases": {}}
-    missing = [kind for kind in IMPLEMENTATIONS if not reports.get(kind, {}).get("verdicts")]
-    if missing:
-        raise ValueError(f"no checklist verdicts for {', '.join(missing)}: the checklist could not run")
-    entry = {kind: {n: reports[kind]["verdicts"][n] for n in items} for kind in IMPLEMENTATIONS}
-    entry.update(command=command, date=date, commit=commit)
-    data["items"] = items
-    releases = {**data["releases"], release: entry}
-    data["releases"] = {r: releases[r] for r in sorted(releases, key=Version)}
-    path.write_text(dump(data), encoding="utf-8")
-    return entry
-
-
-def dump(data: Dict[str, Any]) -> str:
-    """The record as JSON, one line per release's verdicts (a reviewable diff per release)."""
-    releases = [
-        f"  {json.dumps(release)}: {{\n"
-        + ",\n".join(f"   {json.dumps(key)}: {json.dumps(value)}" for key, value in entry.items())
-        + "\n  }"
-        for release, entry in data["releases"].items()
-    ]
-    head = {k: v for k, v in data.items() if k != "releases"}
-    body = json.dumps(head, indent=1)[:-2]
-    return body + ',\n "releases": {\n' + ",\n".join(releases) + "\n }\n}\n"
-
-
-def table(path: Optional[Path] = None) -> List[str]:
-    """CHECKLIST.md's table of the record, one markdown line per release."""
-    data = load(path)
-    lines = [
-        "| mlx-vlm | upstream: passes | upstream: fails | vendored | measured |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for release, entry in data["releases"].items():
-        up = entry["upstream"]
-        passes = ", ".join(n for n in up if up[n] == "PASS") or "-"
-        fails = ", ".join(n for n in up if up[n] == "FAIL") or "-"
-        ours = entry["vendored"]
-        vendored = (
-            f"all {len(ours)} pass"
-            if all(v == "PASS" for v in ours.values())
-            else "fails " + ", ".join(n for n in ours if ours[n] == "FAIL")
-        )
-        lines.append(
-            f"| {release} | {passes} | {fails} | {vendored} | `{entry.get('command', '?')}`, {entry.get('date', '?')} |"
-        )
-    return lines
 
 
 def live_for(release: str, upstream_ships: bool, path: Optional[Path] = None) -> Tuple[str, Optional[Verdict]]:

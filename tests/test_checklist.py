@@ -1,7 +1,7 @@
 """The pin-bump checklist: recorded verdicts per pin, and proof that its checks bite.
 
 This file is the checklist's CI job: every pin environment of the matrix runs the suite, so
-every pin runs ``python -m compass_compat.checklist`` here (in subprocesses, both against
+every pin runs ``python -m scripts.checklist`` here (in subprocesses, both against
 upstream and against the vendored copy) and compares each item's verdict with the record the
 shim decides by (compass_compat/verdicts.json, written by the pin-bump job). An upstream change
 therefore turns the build red instead of drifting silently.
@@ -26,7 +26,7 @@ import mlx_vlm
 import pytest
 
 import compass_compat
-from compass_compat import checklist
+from scripts import checklist
 from tests.lib.vendored import upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,10 +38,10 @@ TIMEOUT = 900
 
 
 def run_checklist(*args: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """``python -m compass_compat.checklist ARGS`` in this pin's interpreter (inherits the env,
+    """``python -m scripts.checklist ARGS`` in this pin's interpreter (inherits the env,
     so the forced 0.7.10 matrix pass also shows the checklist picks its own target)."""
     return subprocess.run(
-        [sys.executable, "-m", "compass_compat.checklist", *args],
+        [sys.executable, "-m", "scripts.checklist", *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -210,7 +210,7 @@ DEFECTS_DRIVER = textwrap.dedent(
     import importlib, json, sys
     import numpy as np
     import compass_compat
-    from compass_compat import checklist
+    from scripts import checklist
 
     compass_compat.apply_patch(force_vendored=True)  # the vendored package is the live one
     language = importlib.import_module("mlx_vlm.models.cohere_compass.language")

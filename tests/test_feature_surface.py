@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from compass_compat.checklist.checks import CHECKS, surface
-from compass_compat.checklist.report import FAIL, ITEMS, PASS
+from scripts.checklist.checks import CHECKS, surface
+from scripts.checklist.report import FAIL, ITEMS, PASS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ITEM = next(item for item in ITEMS if item.number == 12)

@@ -306,7 +306,7 @@ def test_checks_read_the_block_not_the_ignored_file(loadable, tmp_path):
 def test_checklist_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
     """The probe's expected bounds are ``pixel_bounds`` of the probed folder: with
     tokenizer_config.json bounds added to it, the probe expects those."""
-    from compass_compat import checklist
+    from scripts import checklist
 
     seen = []
     original = checkpoint_checks.pixel_bounds

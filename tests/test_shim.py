@@ -553,6 +553,34 @@ def test_autoprocessor_builds_the_live_processor_from_the_tiny_checkpoint(tiny_c
     assert kind_of(sys.modules[type(processor).__module__].__file__) == DEFAULT_LIVE
 
 
+def test_each_vendored_module_is_loaded_once_per_process(tiny_ckpt_original):
+    """A checkpoint checked, loaded and its processor built: one module object per vendored file
+    (the checks, the model and the processor share one copy, and so its module-level state)."""
+    code = textwrap.dedent(
+        f"""
+        import collections, json, os, sys
+        import mlx_vlm
+        import compass_compat
+        from compass_compat.checkpoint_checks import validate_checkpoint
+        from compass_compat.vendor import vendor_root, within
+        validate_checkpoint({str(tiny_ckpt_original)!r})
+        mlx_vlm.load({str(tiny_ckpt_original)!r})
+        files = collections.Counter(
+            os.path.realpath(m.__file__) for m in list(sys.modules.values())
+            if within(getattr(m, "__file__", None), vendor_root())
+        )
+        print("ONCE-JSON " + json.dumps(files))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "COMPASS_COMPAT_AUTOPATCH"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    line = next((row for row in proc.stdout.splitlines() if row.startswith("ONCE-JSON ")), None)
+    assert line, proc.stderr[-3000:]
+    files = json.loads(line[len("ONCE-JSON ") :])
+    assert any(f.endswith("processing_cohere_compass.py") for f in files), files
+    assert {f: n for f, n in files.items() if n > 1} == {}
+
+
 # ----------------------------------------------------------- layout, torch
 
 

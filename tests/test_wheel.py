@@ -80,8 +80,8 @@ def test_wheel_carries_the_vendored_tree(wheel: Path):
 
 
 def test_wheel_carries_every_package_file(wheel: Path):
-    """Data and non-Python files too: the toy weights, the demo picture, the checklist's probe
-    scripts, the tiny tokenizer (what ``generate`` with no arguments and the checklist need)."""
+    """Data and non-Python files too: the toy weights, the demo picture, the tiny tokenizer (what
+    ``generate`` with no arguments needs); and no workshop: the checklist runs from a checkout."""
     names = set(zipfile.ZipFile(wheel).namelist())
     files = {
         p.relative_to(REPO).as_posix()
@@ -91,8 +91,8 @@ def test_wheel_carries_every_package_file(wheel: Path):
     }
     files.discard("compass_compat/compass_compat_autopatch.pth")  # installed at the top level
     assert {"compass_data/toy_shapes/model.safetensors", "compass_compat/assets/demo.png"} <= files
-    assert any(f.startswith("compass_compat/checklist/probes/") for f in files)
     assert files <= names, sorted(files - names)
+    assert not any(n.startswith(("scripts/", "tests/")) or "/checklist/" in n for n in names)
 
 
 def test_wheel_version_is_the_package_version(wheel: Path):

@@ -319,7 +319,7 @@ def render_md(r: Dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         f"| {res['mlx']} | {res['mlx-vlm']} | {res['mlx-lm']} | {res['transformers']} | {res['torch']} | {r['python']} |",
         "",
-        "## Checklist (`python -m compass_compat.checklist --json`)",
+        "## Checklist (`python -m scripts.checklist --json`)",
         "",
     ]
     for impl in ("upstream", "vendored"):

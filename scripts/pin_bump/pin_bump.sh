@@ -24,7 +24,7 @@
 #
 # Then, from this checkout (editable install; it tests the working tree as it is, so do not edit
 # the checkout while it runs: release_sweep.sh snapshots HEAD instead):
-#   1. python -m compass_compat.checklist --json, --implementation upstream and vendored;
+#   1. python -m scripts.checklist --json, --implementation upstream and vendored;
 #   2. the vendored test suite (COMPASS_COMPAT_FORCE_VENDORED=1 where upstream ships cohere_compass,
 #      as the matrix runs it; torch modules skip by themselves;
 #      test_checklist's per-pin verdict test is deselected: step 1 compares the verdicts instead);
@@ -167,7 +167,7 @@ tests_cmd="-"
 if [ -z "$env_error" ]; then
   for impl in upstream vendored; do
     start=$(now); log "checklist, $impl"
-    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED -u COMPASS_COMPAT_IMPLEMENTATION "$pyenv" -m compass_compat.checklist --json \
+    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED -u COMPASS_COMPAT_IMPLEMENTATION "$pyenv" -m scripts.checklist --json \
         --implementation "$impl") >"$work/checklist-$impl.json" 2>"$work/checklist-$impl.log"
     echo "$?" > "$work/checklist-$impl.rc"
     seconds[checklist_$impl]=$(( $(now) - start ))

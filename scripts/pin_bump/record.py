@@ -12,10 +12,50 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List, Optional
+
+from packaging.version import Version
 
 from compass_compat import verdicts
-from compass_compat.checklist.report import ITEMS
+from scripts.checklist.report import ITEMS
+
+
+def record(
+    release: str,
+    reports: Dict[str, Dict[str, Any]],
+    items: Dict[str, str],
+    command: str,
+    date: str,
+    commit: str,
+    path: Optional[Path] = None,
+) -> Dict[str, Any]:
+    """Write ``release``'s verdicts (``reports``: implementation -> the checklist's ``--json``)
+    into the record at ``path``, releases in version order; returns the entry written."""
+    path = verdicts.FILE if path is None else path
+    data = verdicts.load(path) if path.exists() else {"about": "", "items": {}, "releases": {}}
+    missing = [kind for kind in verdicts.IMPLEMENTATIONS if not reports.get(kind, {}).get("verdicts")]
+    if missing:
+        raise ValueError(f"no checklist verdicts for {', '.join(missing)}: the checklist could not run")
+    entry = {kind: {n: reports[kind]["verdicts"][n] for n in items} for kind in verdicts.IMPLEMENTATIONS}
+    entry.update(command=command, date=date, commit=commit)
+    data["items"] = items
+    releases = {**data["releases"], release: entry}
+    data["releases"] = {r: releases[r] for r in sorted(releases, key=Version)}
+    path.write_text(dump(data), encoding="utf-8")
+    return entry
+
+
+def dump(data: Dict[str, Any]) -> str:
+    """The record as JSON, one line per release's verdicts (a reviewable diff per release)."""
+    releases = [
+        f"  {json.dumps(release)}: {{\n"
+        + ",\n".join(f"   {json.dumps(key)}: {json.dumps(value)}" for key, value in entry.items())
+        + "\n  }"
+        for release, entry in data["releases"].items()
+    ]
+    head = {k: v for k, v in data.items() if k != "releases"}
+    body = json.dumps(head, indent=1)[:-2]
+    return body + ',\n "releases": {\n' + ",\n".join(releases) + "\n }\n}\n"
 
 
 def main(argv: List[str]) -> int:
@@ -33,7 +73,7 @@ def main(argv: List[str]) -> int:
             return 2
     items = {str(item.number): item.name for item in ITEMS}
     try:
-        verdicts.record(meta["mlx_vlm"], reports, items, meta["command"], meta["date"], meta["commit"])
+        record(meta["mlx_vlm"], reports, items, meta["command"], meta["date"], meta["commit"])
     except ValueError as err:
         print(f"[pin-bump] no verdicts recorded: {err}", file=sys.stderr)
         return 2

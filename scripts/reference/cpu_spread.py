@@ -40,7 +40,7 @@ def measure(cases) -> dict:
     """In this process: recompute ``cases`` and compare them with the fixtures."""
     import torch
 
-    from compass_compat.checklist.harness import read_case_arrays
+    from scripts.checklist.harness import read_case_arrays
     from scripts.reference import model_outputs
 
     index = json.loads((FIXTURES / "index.json").read_text(encoding="utf-8"))

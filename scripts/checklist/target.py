@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from compass_compat.vendor import within
 
 from .report import IMPLEMENTATIONS, UPSTREAM, VENDORED, CouldNotRun
 
 MODEL_TYPE = "cohere_compass"
 PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
 FIRST_UPSTREAM_RELEASE = "0.6.13"
-
-
-def within(path: Optional[str], directory: Path) -> bool:
-    """Whether ``path`` lies under ``directory`` (links resolved); False for no path."""
-    if not path:
-        return False
-    real, base = os.path.realpath(path), os.path.realpath(directory)
-    return os.path.commonpath([real, base]) == base
 
 
 @dataclass

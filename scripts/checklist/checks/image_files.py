@@ -44,7 +44,7 @@ def preprocessor_probe(ctx: Context) -> Dict[str, Any]:
     tokenizer_config.json's min/max_pixels over both), the resolution the processor and the
     checkpoint checks use.
     """
-    from ...checkpoint_checks import pixel_bounds
+    from compass_compat.checkpoint_checks import pixel_bounds
 
     folder = ctx.checkpoint("small_max_pixels")
     bounds = pixel_bounds(folder)

@@ -26,6 +26,8 @@ def _run_probe(script: str, args: Sequence[str] = (), vendored: bool = False, fo
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPASS_COMPAT_")}
     if force:
         env["COMPASS_COMPAT_IMPLEMENTATION"] = "vendored"
+    if vendored:  # this checkout's compass_compat, whichever one the environment installed
+        env["PYTHONPATH"] = str(PROBES.parents[2])
     proc = subprocess.run(
         [sys.executable, str(PROBES / script), *(["--vendored"] if vendored else []), *args],
         capture_output=True,

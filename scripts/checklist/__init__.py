@@ -2,7 +2,7 @@
 
 Run it in the environment of the mlx-vlm pin you are considering::
 
-    python -m compass_compat.checklist [--json] [--implementation upstream|vendored]
+    python -m scripts.checklist [--json] [--implementation upstream|vendored]
 
 Every item of ``CHECKLIST.md`` is checked automatically against the installed mlx-vlm and
 reported as PASS or FAIL with its evidence (numbers, or the error). Exit status: 0 when every
@@ -13,12 +13,13 @@ the checklist could not run (e.g. the reference fixtures are missing).
 need it FAIL with "no upstream cohere_compass" on pins that do not ship it (before 0.6.13).
 ``--implementation vendored`` runs the same items against compass-compat's vendored package
 (made live the documented way, ``apply_patch(force_vendored=True)``); that is how the tests show
-the checks are meaningful. Either way the vendored package is also imported side by side under
-a private module name for item 7, so both implementations are live in one process.
+the checks are meaningful. Item 7 imports the vendored package whole: in upstream mode beside
+upstream's, under compass_compat.vendor's name for it, so both implementations are live in one
+process.
 
-Ground truth is the reference fixtures recorded from transformers (``tests/fixtures`` of the
-repository checkout, found next to the package, or ``--fixtures DIR``). They are not shipped in
-the wheel: from an installed wheel the command exits 2 and says so.
+Workshop code: it runs from a repository checkout (``python -m scripts.checklist``), never from
+the wheel. Ground truth is the reference fixtures recorded from transformers (the checkout's
+``tests/fixtures``, or ``--fixtures DIR``).
 
 Models are driven the way mlx-vlm drives them: ``mlx_vlm.load`` (model and processor, the
 processor through ``AutoProcessor``), ``Model.__call__`` / ``get_input_embeddings`` for logits

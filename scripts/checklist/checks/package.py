@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List, Tuple
@@ -17,9 +16,6 @@ from ..report import FAIL, PASS, UPSTREAM, Item, ItemResult, error_text, fmt
 from ..target import PACKAGE
 from .base import result
 
-# The vendored package imported a second time, under its own name, next to the live one.
-SIDE_BY_SIDE = "mlx_vlm.models._compass_checklist_vendored"
-
 
 def check_ships(ctx: Context, item: Item) -> ItemResult:
     """Item 1: the implementation under test provides ``mlx_vlm.models.cohere_compass``."""
@@ -30,7 +26,7 @@ def check_ships(ctx: Context, item: Item) -> ItemResult:
 
 
 def _vendored_sources() -> List[Tuple[str, Path]]:
-    from ...vendor import vendor_root
+    from compass_compat.vendor import vendor_root
 
     root = vendor_root()
     out = []
@@ -77,27 +73,11 @@ def external_imports() -> List[Tuple[str, str, List[str]]]:
 
 
 def _import_side_by_side() -> ModuleType:
-    """Import the vendored package a second time as ``SIDE_BY_SIDE`` (relative imports still reach
-    the installed mlx-vlm: the name sits under mlx_vlm.models)."""
-    from ...vendor import package_dir
+    """The vendored package, imported whole: the live one in vendored mode, else beside upstream's
+    under its own name (the one copy compass_compat.vendor loads)."""
+    from compass_compat.vendor import vendored_module
 
-    if SIDE_BY_SIDE in sys.modules:
-        return sys.modules[SIDE_BY_SIDE]
-    pkg_dir = package_dir()
-    spec = importlib.util.spec_from_file_location(
-        SIDE_BY_SIDE, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no import spec for {pkg_dir}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[SIDE_BY_SIDE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        for name in [n for n in sys.modules if n == SIDE_BY_SIDE or n.startswith(SIDE_BY_SIDE + ".")]:
-            del sys.modules[name]
-        raise
-    return module
+    return vendored_module()
 
 
 def _rope_reference_error() -> float:
@@ -146,7 +126,7 @@ def check_vendored_imports(ctx: Context, item: Item) -> ItemResult:
         missing.append(f"initialize_rope: {error_text(exc, 160)}")
     try:
         module = _import_side_by_side()
-        side = f"vendored package imports side by side as {module.__name__}"
+        side = f"vendored package imports as {module.__name__}"
     except Exception as exc:  # the error is the evidence
         missing.append(f"importing the vendored package: {error_text(exc, 200)}")
         side = ""

@@ -1,4 +1,4 @@
-"""``python -m compass_compat.checklist``: print the table (or JSON) and exit 0 / 1 / 2."""
+"""``python -m scripts.checklist``: print the table (or JSON) and exit 0 / 1 / 2."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
+
+from compass_compat import verdicts
 
 from .report import IMPLEMENTATIONS, UPSTREAM
 from .runner import run_checklist
@@ -19,10 +21,33 @@ def _parse_items(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"--items takes comma-separated item numbers, got {text!r}") from None
 
 
+def recorded_table(path: Optional[Path] = None) -> List[str]:
+    """CHECKLIST.md's table of the record, one markdown line per release."""
+    data = verdicts.load(path)
+    lines = [
+        "| mlx-vlm | upstream: passes | upstream: fails | vendored | measured |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for release, entry in data["releases"].items():
+        up = entry["upstream"]
+        passes = ", ".join(n for n in up if up[n] == "PASS") or "-"
+        fails = ", ".join(n for n in up if up[n] == "FAIL") or "-"
+        ours = entry["vendored"]
+        vendored = (
+            f"all {len(ours)} pass"
+            if all(v == "PASS" for v in ours.values())
+            else "fails " + ", ".join(n for n in ours if ours[n] == "FAIL")
+        )
+        lines.append(
+            f"| {release} | {passes} | {fails} | {vendored} | `{entry.get('command', '?')}`, {entry.get('date', '?')} |"
+        )
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: print the table (or JSON) and return the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m compass_compat.checklist",
+        prog="python -m scripts.checklist",
         description="Check, at the installed mlx-vlm pin, every item that must hold before the "
         "vendored cohere_compass can be deleted (CHECKLIST.md). Exit 0: all pass; "
         "1: some fail; 2: could not run.",
@@ -51,9 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.recorded:
-        from .. import verdicts
-
-        print("\n".join(verdicts.table()))
+        print("\n".join(recorded_table()))
         return 0
     try:
         report = run_checklist(args.implementation, args.items, args.fixtures)

@@ -39,7 +39,7 @@ def run_checklist(
     fixtures_dir = Path(fixtures) if fixtures is not None else default_fixtures_dir()
     version, live = "unknown", None
     try:
-        from .._patch import _mlx_vlm_version
+        from compass_compat._patch import _mlx_vlm_version
 
         version = _mlx_vlm_version()
         reference = Reference(fixtures_dir)
