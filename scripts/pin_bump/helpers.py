@@ -209,7 +209,7 @@ def build_report(work: Path) -> Dict[str, Any]:
             None if expected is None else (sorted(set(failing) - set(expected)), sorted(set(expected) - set(failing)))
         )
         notes.append(
-            f"the control (mlx-vlm's own qwen3_vl) fails {len(failing)} of {len(control['result'])} caller-contract items"
+            f"the control (mlx-vlm's own qwen3_vl) fails {len(failing)} of {len(control['result'])} survey items (caller contract and generation features)"
             + (
                 ": no record for this release (scripts/pin_bump/control_expected.json)"
                 if changed is None
