@@ -10,6 +10,7 @@ import pytest
 
 from compass_compat import cpu_lanes
 from scripts._lib.parity import case_inputs, prefill
+from tests.lib.vendored import vendored
 
 
 @pytest.fixture
@@ -215,6 +216,12 @@ def test_small_layers_are_not_split(lanes):
 
 
 # ---------------------------------------------------------------- a loaded model, with and without
+@pytest.fixture
+def ours():
+    """The loader guard installs lanes on the vendored package's models: skip where upstream's is live."""
+    vendored()
+
+
 def _laned(model) -> list:
     return [name for name, m in model.named_modules() if getattr(m, cpu_lanes.TAG, False)]
 
@@ -237,7 +244,7 @@ def _outputs(model, reference, case, steps=3):
 
 
 @pytest.mark.parametrize("case", ["text_long", "img_two"])
-def test_loaded_model_answers_the_same_with_lanes_as_without(lanes, tiny_ckpt_mlx, reference, case):
+def test_loaded_model_answers_the_same_with_lanes_as_without(lanes, ours, tiny_ckpt_mlx, reference, case):
     """Loaded on the CPU the model has its lanes: logits, greedy ids and encode_image's output are
     the same split over the lanes as unsplit, bit for bit, and the plain model's (the lanes
     removed). The vision tower's float32 projections of 2-D activations take transposed operands
@@ -262,7 +269,7 @@ def test_loaded_model_answers_the_same_with_lanes_as_without(lanes, tiny_ckpt_ml
     assert np.abs(np.array(split["logits"][0]) - reference(case)["prefill_logits"][-1]).max() < 1e-4
 
 
-def test_lanes_applied_to_every_projection_rotary_and_attention_on_cpu_load(tiny_ckpt_mlx):
+def test_lanes_applied_to_every_projection_rotary_and_attention_on_cpu_load(ours, tiny_ckpt_mlx):
     from mlx_vlm.utils import load_model
 
     model = load_model(tiny_ckpt_mlx)
@@ -277,7 +284,7 @@ def test_lanes_applied_to_every_projection_rotary_and_attention_on_cpu_load(tiny
     assert not any(n == "vision_tower.patch_embed.proj" for n in laned)  # the Conv3d is its own
 
 
-def test_no_lanes_when_the_default_device_is_not_the_cpu(monkeypatch, tiny_ckpt_mlx):
+def test_no_lanes_when_the_default_device_is_not_the_cpu(ours, monkeypatch, tiny_ckpt_mlx):
     """Metal and CUDA loads get the model as mlx-vlm builds it: no lane class anywhere."""
     from mlx_vlm.utils import load_model
 
@@ -289,7 +296,7 @@ def test_no_lanes_when_the_default_device_is_not_the_cpu(monkeypatch, tiny_ckpt_
     assert all(type(m).__module__ != cpu_lanes.__name__ for _, m in model.named_modules())
 
 
-def test_threads_share_lanes(lanes, tiny_ckpt_mlx, reference):
+def test_threads_share_lanes(lanes, ours, tiny_ckpt_mlx, reference):
     from mlx_vlm.utils import load_model
 
     ref = reference("img_448")
