@@ -21,6 +21,7 @@ from tests.lib.vendored import vendored
 
 compass = vendored("cohere_compass")
 
+import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from compass_compat.checkpoint_checks import CheckpointError, expected_tensors, validate_checkpoint  # noqa: E402
@@ -40,7 +41,7 @@ def test_the_good_checkpoints_pass_every_check(tiny_ckpt_original, tiny_ckpt_mlx
 
 def test_quantized_checkpoint_loads_and_generates(quantized_ckpt, reference):
     loaded = load(quantized_ckpt)
-    assert type(loaded[0].language_model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert isinstance(loaded[0].language_model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
     assert len(generate(loaded, reference("text_short")["meta"]["prompt"])) == MAX_TOKENS
 
 
