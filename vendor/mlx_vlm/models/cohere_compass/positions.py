@@ -18,8 +18,8 @@ its cache offset. The state that decides which lives in three places, each with 
 - ``_rope_deltas`` / ``_position_ids`` on the language model: what Qwen-VL models in mlx-vlm
   expose, written for hosts that read them after a prefill; read back only for a cache that
   kept no delta (a host rebuilt it), when its rows match and it is that request's: a host
-  installed it, or the forward that published it (marked in :class:`Issued` with the column it
-  ended at) ended where this cache continues.
+  installed it, the cache is a batch a host merged, or the forward that published it (marked in
+  :class:`Issued` with the column it ended at) ended where this single-sequence cache continues.
 
 What a forward's positions are (:func:`resolve`), by the request's state and what it is given:
 
@@ -28,7 +28,7 @@ What a forward's positions are (:func:`resolve`), by the request's state and wha
 | new (empty cache) | those (this chunk's columns) | offset + delta | offset | offset |
 | continuing its cache | those; refused if they count from another column | offset + delta | offset + kept delta if it holds here | offset + kept delta if it holds here |
 | cache set back by a host, before the kept delta holds | the same | offset + delta | offset | offset |
-| cache a host built (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if its rows match and it is this request's (a host installed it, or the forward that published it ended where this cache continues) |
+| cache a host built (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if its rows match and it is this request's (a host installed it, the cache is a batch a host merged, or the forward that published it ended where this single-sequence cache continues) |
 | batch (per-row offsets) | those; rows only pictures brought are filled from ``position_rows`` | per row | per row | per-row kept deltas |
 
 Every forward keeps the delta its tokens used (the given one, or ``last position + 1 - tokens``
