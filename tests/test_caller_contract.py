@@ -31,7 +31,9 @@ from scripts._lib.contract import (
     item_merged,
     item_model_chunks,
     item_one_row_batch,
+    item_rebuilt_after_its_prefill,
     item_restored,
+    item_restored_text_after_a_picture,
     item_whole,
     last,
     make_cache,
@@ -115,6 +117,23 @@ def test_decode_in_a_one_row_batch_cache_with_nothing_passed(model, cases, name,
     passed at decode. Its media lane restores caches and installs the request's delta on the
     language model (``_media_mrope_install``): a cache that kept no delta of its own uses it."""
     item_one_row_batch(model, cases[name], installed_delta=rebuilt)
+
+
+@pytest.mark.parametrize("name", ["img_448", "img_two"])
+def test_decode_on_a_cache_rebuilt_after_its_own_prefill(model, cases, name):
+    """Rapid-MLX merges caches of its own class into the pin's batch cache (nothing of ours kept):
+    the delta the request's prefill published on the language model is its own."""
+    item_rebuilt_after_its_prefill(model, cases[name])
+
+
+@pytest.mark.parametrize("picture", ["img_448", "img_two"])
+@pytest.mark.parametrize("name", TEXT)
+def test_restored_text_prefix_after_a_picture_request(model, cases, name, picture):
+    """Rapid-MLX's exact prefix cache: a text prompt's start restored from a snapshot saved by an
+    earlier server (nothing of ours kept with it) right after a picture request was served; the
+    suffix and decode must not take the picture's delta from the language model (it answered
+    another text, HTTP 200, in its one-at-a-time lane)."""
+    item_restored_text_after_a_picture(model, cases[name], cases[picture], cases[name].length // 2)
 
 
 @pytest.mark.parametrize("style", ["neither", "rope_deltas"])

@@ -266,6 +266,31 @@ def item_one_row_batch(model, case: Case, installed_delta: bool = False) -> None
     check(case, run_decode(model, cache, case, first, decode_plain), "one-row batch")
 
 
+def item_rebuilt_after_its_prefill(model, case: Case) -> None:
+    """A host rebuilds the request's cache right after its prefill (nothing of ours kept with it:
+    Rapid-MLX merges caches of its own class into the pin's batch cache) and decodes with nothing
+    passed: the delta that prefill published on the language model is this request's."""
+    cache = make_cache(model)
+    first = prefill_whole(model, case, cache)
+    forget_kept_delta(cache)
+    check(case, run_decode(model, cache, case, first, decode_plain), "rebuilt after its prefill")
+
+
+def item_restored_text_after_a_picture(model, text: Case, picture: Case, split: int) -> None:
+    """Rapid-MLX's exact prefix cache for text prompts: the prompt's first ``split`` tokens come
+    from a snapshot the host restored (saved to disk by an earlier server: nothing of ours kept
+    with it), and the request served just before was a picture's, whose delta the language model
+    published. The suffix through ``Model.__call__`` (``pixel_values=None``) and the decode
+    (nothing passed) follow the offset: the picture's delta is another request's."""
+    snapshot = make_cache(model)
+    mx.eval(model(text.ids[:, :split], cache=snapshot, pixel_values=None).logits)
+    forget_kept_delta(snapshot)
+    other = make_cache(model)
+    run_decode(model, other, picture, prefill_whole(model, picture, other), decode_plain, steps=3)
+    first = last(model(text.ids[:, split:], cache=snapshot, pixel_values=None))
+    check(text, run_decode(model, snapshot, text, first, decode_plain), "restored text prefix after a picture")
+
+
 def item_interleaved(model, picture: Case, text: Case, style: str) -> None:
     """Two requests on their own caches, prefilled in turn, then decoded a step each in turn."""
     caches = {c.name: make_cache(model) for c in (picture, text)}

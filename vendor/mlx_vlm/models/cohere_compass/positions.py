@@ -12,11 +12,14 @@ its cache offset. The state that decides which lives in three places, each with 
   one delta per row through filter, extend and extract (:class:`_KeepsRowDeltas`).
 - :class:`Issued`, a weak registry of the arrays the model itself handed out: whole-prompt
   positions (they count from column 0), a suffix's positions (they follow ``prefix`` cached
-  tokens), deltas (their one value when every row has it), a text prompt's zeros; and of the
+  tokens), deltas (their one value when every row has it), a text prompt's zeros, each delta
+  published in ``_rope_deltas`` (the column where the forward that published it ended); and of the
   arrays a host passes whole with every prefill chunk (where each was first seen).
 - ``_rope_deltas`` / ``_position_ids`` on the language model: what Qwen-VL models in mlx-vlm
   expose, written for hosts that read them after a prefill; read back only for a cache that
-  kept no delta (a host rebuilt it), when its rows match.
+  kept no delta (a host rebuilt it), when its rows match and it is that request's: a host
+  installed it, the cache is a batch a host merged, or the forward that published it (marked in
+  :class:`Issued` with the column it ended at) ended where this single-sequence cache continues.
 
 What a forward's positions are (:func:`resolve`), by the request's state and what it is given:
 
@@ -25,7 +28,7 @@ What a forward's positions are (:func:`resolve`), by the request's state and wha
 | new (empty cache) | those (this chunk's columns) | offset + delta | offset | offset |
 | continuing its cache | those; refused if they count from another column | offset + delta | offset + kept delta if it holds here | offset + kept delta if it holds here |
 | cache set back by a host, before the kept delta holds | the same | offset + delta | offset | offset |
-| cache a host built (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if its rows match |
+| cache a host built (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if its rows match and it is this request's (a host installed it, the cache is a batch a host merged, or the forward that published it ended where this single-sequence cache continues) |
 | batch (per-row offsets) | those; rows only pictures brought are filled from ``position_rows`` | per row | per row | per-row kept deltas |
 
 Every forward keeps the delta its tokens used (the given one, or ``last position + 1 - tokens``
@@ -238,15 +241,17 @@ def resolve(
         # The delta decode steps continue from (per row): last position + 1 - tokens so far.
         # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
         last = position_ids.max(axis=(0, 2))
-        _keep(lm, state, (last + 1 - (offset + L)).reshape(-1, 1) if rope_deltas is None else rope_deltas)
+        used = (last + 1 - (offset + L)).reshape(-1, 1) if rope_deltas is None else rope_deltas
+        _keep(lm, state, used, None if batched else columns + L)
         if L > 1 and not batched and state is not None:
             # Prefill only: a decoded token follows the delta, and no lazy chain grows per step.
             state.since = _past_last_vision_token(position_ids, columns, L, state.since)
         return Positions(explicit=position_ids), deepstack
 
     if rope_deltas is None and not fresh:
-        rope_deltas = _delta_for(lm, state, B, holds)
-    _keep(lm, state, rope_deltas if rope_deltas is not None else (0 if B == 1 else mx.zeros((B, 1), mx.int32)))
+        rope_deltas = _delta_for(lm, state, B, holds, None if batched else columns)
+    used = rope_deltas if rope_deltas is not None else (0 if B == 1 else mx.zeros((B, 1), mx.int32))
+    _keep(lm, state, used, None if batched else columns + L)
     return _offset_by(lm, offset, rope_deltas, B), deepstack
 
 
@@ -274,21 +279,43 @@ def _rows(delta: Any) -> int:
     return 1 if isinstance(delta, (int, np.integer)) else int(np.prod(delta.shape))
 
 
-def _delta_for(lm: Any, state: Optional[Kept], B: int, holds: bool) -> Optional[Any]:
+def _delta_for(lm: Any, state: Optional[Kept], B: int, holds: bool, columns: Any) -> Optional[Any]:
     """The delta a continuing cache's tokens follow when none is given: none where the cache was
     set back before its kept delta holds (its text there follows the offset); else the kept one,
-    or for a cache that kept none (a host rebuilt it) the last prefill's, when its rows match."""
+    or for a cache that kept none (a host rebuilt it) the module's, when its rows match and it is
+    this request's (:func:`_module_delta_for`; ``columns`` None for a batch cache)."""
     if state is not None and state.delta is not None and not holds:
         return None
-    for delta in (state.delta if state is not None else None, lm._rope_deltas):
+    for delta in (state.delta if state is not None else None, _module_delta_for(lm, columns)):
         if delta is not None and _rows(delta) == B:
             return delta
     return None
 
 
-def _keep(lm: Any, state: Optional[Kept], delta: Any) -> None:
+def _module_delta_for(lm: Any, columns: Any) -> Optional[Any]:
+    """``lm._rope_deltas`` for a cache that kept no delta: one a host installed (Rapid-MLX's media
+    lane); for a batch cache (``columns`` None: a host merged request caches it rebuilt, right
+    after their prefills) the last one we published. For a single-sequence cache at ``columns``,
+    one we published only when the forward that published it ended there (a host rebuilt that
+    request's cache): not another request's (Rapid-MLX restores a text prompt's prefix, saved
+    by an earlier server, right after serving a picture)."""
+    delta = lm._rope_deltas
+    info = lm.issued.info(delta) if delta is not None else {}
+    if delta is None or columns is None or "published_until" not in info:
+        return delta
+    until = info["published_until"]
+    return delta if until is not None and isinstance(columns, (int, np.integer)) and int(columns) == until else None
+
+
+def _keep(lm: Any, state: Optional[Kept], delta: Any, until: Any) -> None:
+    """Keep ``delta`` with the cache and publish it in ``lm._rope_deltas``, marked as ours with
+    the column where this forward ended (``until``; None for a batch cache or an offset we do
+    not read)."""
     # Kept as an mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
-    lm._rope_deltas = mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
+    published = mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
+    lm._rope_deltas = published
+    until = int(until) if isinstance(until, (int, np.integer)) else None
+    lm.issued.mark(published, **{**lm.issued.info(published), "published_until": until})
     if state is not None:
         state.delta = delta
 
