@@ -637,6 +637,7 @@ sys.meta_path[:] = [_NoTorchFinder if f is importlib.machinery.PathFinder else f
 """
 
 
+@pytest.mark.reference  # where torch is installed
 def test_import_is_torch_free_with_torch_hidden():
     """On a machine without torch, importing the shim and the live package works and stays torch-free."""
     out = run_python(
