@@ -69,3 +69,11 @@ def split_matmuls_over_cpu_lanes():
     cpu_lanes.configure(2, min_weight_elements=0)
     yield
     cpu_lanes.configure(None, min_weight_elements=cpu_lanes._DEFAULT_MIN_ELEMENTS)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "reference: needs torch, the oracle; the matrix runs these only in the reference environment "
+        "(scripts/env/pins.sh REFERENCE_ENV, `-m reference`)",
+    )

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.lib.vendored import by_path
+from tests.lib.vendored import by_path, default_run_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "compass_data" / "tiny_tokenizer"
@@ -36,6 +36,7 @@ EXAMPLE_SECONDS = 20  # alarm: a call that takes this long is a hang
 
 
 pc = by_path("processing_cohere_compass", "compass_processing_fuzzed")
+pytestmark = default_run_only
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,14 @@ from PIL import Image
 from compass_data import tiny
 from tests.lib.reference_probe import reference_problem
 from tests.lib.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
-from tests.lib.vendored import VENDORED_DIR, by_path
+from tests.lib.vendored import VENDORED_DIR, by_path, default_run_only
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # By path, not through the shim: these modules need neither mlx nor the patch, and must be
 # tested even on pins where upstream's cohere_compass shadows the vendored package.
 pc = by_path("processing_cohere_compass", "compass_processing_under_test")
+pytestmark = default_run_only
 ipc = by_path("image_processing_cohere_compass", "compass_processing_under_test")
 
 # The published preprocessor_config.json values, without the keys that name classes.

@@ -244,6 +244,7 @@ def test_reference_cases_are_complete_and_not_degenerate(reference):
     assert reference("text_long")["input_ids"].shape[1] >= 4 * tiny.TEXT["sliding_window"]
 
 
+@pytest.mark.reference
 @pytest.mark.skipif(_why_no_reference() is not None, reason=str(_why_no_reference()))
 @pytest.mark.parametrize("case", LIVE_CASES)
 def test_recorded_fixtures_are_current(reference, case):

@@ -29,7 +29,7 @@ from transformers import AutoProcessor
 
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
-from tests.lib.vendored import expected_live, switch_from_env, upstream_ships
+from tests.lib.vendored import default_run_only, expected_live, switch_from_env, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"
@@ -244,6 +244,7 @@ SWITCHES = {  # scenario -> (environment, switch value it stands for)
 }
 
 
+@default_run_only  # run_python sets each scenario's own switch
 @pytest.mark.parametrize("imported_first", [False, True], ids=["fresh", "upstream-imported-first"])
 @pytest.mark.parametrize("scenario", sorted(SWITCHES))
 def test_switch_in_fresh_interpreter(scenario, imported_first):
@@ -636,6 +637,7 @@ sys.meta_path[:] = [_NoTorchFinder if f is importlib.machinery.PathFinder else f
 """
 
 
+@pytest.mark.reference  # where torch is installed
 def test_import_is_torch_free_with_torch_hidden():
     """On a machine without torch, importing the shim and the live package works and stays torch-free."""
     out = run_python(

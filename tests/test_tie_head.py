@@ -208,6 +208,7 @@ def reference_run(folder: pathlib.Path, embed: np.ndarray, head):
     return kind, out
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("top, text, stored", COMBOS, ids=state)
 def test_reference_heads_are_the_measured_table(folders, sources, permutation, top, text, stored):
     embed = load_file(str(sources["original"] / "model.safetensors"))[EMBED["original"]]

@@ -10,6 +10,7 @@ import pytest
 from compass_data import tiny
 from tests.lib.vendored import by_path
 
+pytestmark = pytest.mark.reference
 torch = pytest.importorskip("torch", reason="needs the torch reference (0.7.10 env)")
 modeling = pytest.importorskip(
     "transformers.models.cohere_compass.modeling_cohere_compass",

@@ -21,13 +21,14 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.lib.vendored import expected_live, upstream_ships
+from tests.lib.vendored import default_run_only, expected_live, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"
 IMPLEMENTATION_ENV = "COMPASS_COMPAT_IMPLEMENTATION"
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()
+pytestmark = default_run_only  # each installed-wheel run sets its own switch
 
 
 def run(cmd: list, **kwargs: Any) -> subprocess.CompletedProcess:

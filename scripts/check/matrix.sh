@@ -13,10 +13,12 @@
 #   MATRIX_JOBS runs at a time (default: the number of cores, at most 2; the suites are
 #   single-threaded Python mostly), newest pin first. junit XML and the full log of each run go
 #   to build/matrix/<run>.{xml,log}; each run's own time is in the table.
-# - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10 here) runs
-#   twice: "<env>" as users get it (the recorded verdicts choose: the vendored package on 0.7.10)
-#   and "<env>+upstream" with COMPASS_COMPAT_IMPLEMENTATION=upstream, mlx-vlm's own package live,
-#   so upstream's verdicts stay measured (tests of the vendored model skip there, saying so).
+# - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10-notorch here)
+#   runs twice: "<env>" as users get it (the recorded verdicts choose: the vendored package on
+#   0.7.10) and "<env>+upstream" with COMPASS_COMPAT_IMPLEMENTATION=upstream, mlx-vlm's own package
+#   live, so upstream's verdicts stay measured (tests of the vendored model skip there, saying so).
+# - The reference environment (REFERENCE_ENV, torch as the oracle) runs only the tests marked
+#   `reference` (`-m reference`), once; its torch-free twin runs everything else, as hosts resolve it.
 # - Exits non-zero if any environment could not be built or any run failed; pytest's
 #   exit code 5 (no tests collected) counts as a failure.
 # Extra pytest arguments: MATRIX_PYTEST_ARGS="-x -k shim" scripts/check/matrix.sh
@@ -35,8 +37,8 @@ cores=$(nproc 2>/dev/null || echo 1)
 jobs="${MATRIX_JOBS:-$(( cores < 2 ? cores : 2 ))}"
 env_jobs="${MATRIX_ENV_JOBS:-3}"
 
-# Newest pin first: newer pins skip fewer tests and the reference environment runs the
-# live-reference tests, so the longest runs start first and the short ones fill the end.
+# Newest pin first: newer pins skip fewer tests, so the longest runs start first and the short
+# ones fill the end.
 order=()
 for (( i = ${#pins[@]} - 1; i >= 0; i-- )); do order+=("${pins[i]}"); done
 rm -f "$out"/env-*.rc
@@ -76,11 +78,13 @@ run_one() {
   local py xml="$out/$label.xml" log="$out/$label.log" start rc seconds status
   local passed=0 failed=0 skipped=0 version tf
   py="$(env_dir "$pin")/bin/python"
+  local select=()
+  if env_has_torch "$pin"; then select=(-m reference); fi
   rm -f "$xml"
   start=$(date +%s)
   # shellcheck disable=SC2086
   # --durations: each run's log ends with its 20 slowest tests (where CI's time goes).
-  (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED COMPASS_COMPAT_IMPLEMENTATION="$switch" "$py" -m pytest tests -q \
+  (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED COMPASS_COMPAT_IMPLEMENTATION="$switch" "$py" -m pytest tests -q "${select[@]}" \
       --durations=20 --junitxml="$xml" ${MATRIX_PYTEST_ARGS:-}) >"$log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - start ))
@@ -104,13 +108,14 @@ run_one() {
 }
 
 # ---- runs, $jobs at a time, each as soon as its environment is ready. An environment whose
-# mlx-vlm ships cohere_compass also gets the run with upstream's package live, first.
+# mlx-vlm ships cohere_compass also gets the run with upstream's package live, first (not the
+# reference environment: its tests do not depend on which cohere_compass is live).
 run_pids=()
 running() { local n=0 pid; for pid in "${run_pids[@]}"; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done; echo $n; }
 for pin in "${order[@]}"; do
   env_ready "$pin" || continue
   labels=("$pin|auto")
-  if compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
+  if ! env_has_torch "$pin" && compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
     labels=("$pin+upstream|upstream" "$pin|auto")
   fi
   for run in "${labels[@]}"; do
@@ -127,12 +132,12 @@ wait
 failed_runs=0; total_passed=0; total_failed=0; total_skipped=0
 wall=$(( $(date +%s) - matrix_start ))
 echo
-printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
+printf '%-24s %-9s %-12s %7s %7s %8s %8s  %s\n' run mlx-vlm transformers passed failed skipped seconds status
 for pin in "${pins[@]}"; do
   for label in "$pin" "$pin+upstream"; do
     [ -f "$out/$label.row" ] || continue
     IFS='|' read -r label version tf passed failed skipped seconds status <"$out/$label.row"
-    printf '%-16s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"
+    printf '%-24s %-9s %-12s %7s %7s %8s %8s  %s\n' "$label" "$version" "$tf" "$passed" "$failed" "$skipped" "$seconds" "$status"
     [ "$status" = ok ] || failed_runs=$((failed_runs + 1))
     [ "$passed" = - ] && continue
     total_passed=$((total_passed + passed)); total_failed=$((total_failed + failed))

@@ -4,8 +4,9 @@
 # version (e.g. 0.4.4-tf5.17). It lives in .venvs/mlxvlm-<name>; the exact versions it resolved
 # are recorded in scripts/env/constraints/mlxvlm-<name>.txt (scripts/env/build.sh). Each requirement
 # set is what a real host resolves (see README "Supported mlx-vlm pins").
-ALL_ENVS=(0.3.9 0.4.4 0.4.4-tf5.17 0.6.3 0.6.12 0.7.10)
-# The environment that also holds torch + transformers >= 5.21 (the reference oracle).
+ALL_ENVS=(0.3.9 0.4.4 0.4.4-tf5.17 0.6.3 0.6.12 0.7.10 0.7.10-notorch)
+# The environment that also holds torch + transformers >= 5.21 (the reference oracle). The matrix
+# runs only the tests marked `reference` there (tests/conftest.py); 0.7.10-notorch runs the rest.
 REFERENCE_ENV=0.7.10
 # torch, installed first and alone in the reference environment, so nothing can pull CUDA.
 TORCH_REQUIREMENT="torch==2.13.0"
@@ -25,6 +26,8 @@ env_requirements() {
     0.6.12)       echo "mlx[cpu] mlx-vlm[train]==0.6.12 mlx-lm>=0.31.3 $common" ;;
     # current, ships cohere_compass; the reference environment (torch as the oracle)
     0.7.10)       echo "mlx[cpu] mlx-vlm==0.7.10 mlx-lm>=0.31.3 transformers>=5.21 $common" ;;
+    # the same as a host resolves it, without the oracle's torch
+    0.7.10-notorch) echo "mlx[cpu] mlx-vlm==0.7.10 mlx-lm>=0.31.3 transformers>=5.21 $common" ;;
     *) echo "unknown environment $1 (scripts/env/pins.sh knows: ${ALL_ENVS[*]})" >&2; return 1 ;;
   esac
 }

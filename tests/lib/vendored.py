@@ -36,6 +36,15 @@ def switch_from_env(env: Optional[dict] = None) -> str:
     return value or ("vendored" if forced else "auto")
 
 
+# For a test that no switch can change (the vendored files by path, pure functions, or a switch the
+# test sets itself): the pin's matrix run with COMPASS_COMPAT_IMPLEMENTATION=upstream would repeat it.
+default_run_only = pytest.mark.skipif(
+    switch_from_env() == "upstream",
+    reason="the switch COMPASS_COMPAT_IMPLEMENTATION cannot change this test; it runs in this pin's "
+    "default run of the matrix",
+)
+
+
 def expected_live(switch: Optional[str] = None) -> str:
     """Which cohere_compass the documented rule makes live on this pin for ``switch`` (default:
     the environment's): upstream's where mlx-vlm ships one and the switch says upstream, or says
