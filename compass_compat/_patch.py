@@ -102,17 +102,9 @@ class ImplementationInfo:
 
 
 def _mlx_vlm_version() -> str:
-    try:
-        import mlx_vlm
+    import mlx_vlm
 
-        return str(mlx_vlm.__version__)
-    except (ImportError, AttributeError):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("mlx-vlm")
-        except PackageNotFoundError:
-            return "unknown"
+    return str(mlx_vlm.__version__)
 
 
 def _flag_from_env(name: str) -> Tuple[bool, str]:
@@ -407,9 +399,7 @@ def _is_video_item(item: Any) -> bool:
 def _install_video_prompt_hook(undo: List[_Undo]) -> None:
     """A cohere_compass user turn with videos gets one video part per video after its images
     (mlx-vlm formats video only for the models it names)."""
-    formatter = getattr(importlib.import_module("mlx_vlm.prompt_utils"), "MessageFormatter", None)
-    if not isinstance(formatter, type):
-        return  # a pin without the class formats no video for any model
+    formatter = importlib.import_module("mlx_vlm.prompt_utils").MessageFormatter
 
     def format_message(original: Callable[..., Any], self: Any, prompt: Any, role: str = "user", *args, **kwargs):
         videos = kwargs.get("video")
@@ -445,7 +435,7 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         return  # mlx-vlm 0.7.x asks the processor's sample_frames itself
     from .video_files import DECODED_VIDEOS
 
-    fps_default = parameters["fps"].default if "fps" in parameters else 2.0
+    fps_default = parameters["fps"].default
 
     def registry() -> Any:
         # Looked up when a file is decoded, not at patch time: the package is imported lazily.

@@ -474,13 +474,6 @@ class CohereCompassVideoProcessor(Settings):
             num_frames, height, width, self.temporal_patch_size, factor, self.size["shortest_edge"], max_pixels
         )
 
-    def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
-        """Patches (before the 2x2 merge) of a ``num_frames``-frame video of that size."""
-        vp = self.with_settings({k: v for k, v in (videos_kwargs or {}).items() if k in VIDEO_PROCESSOR_KEYS})
-        h, w = vp.resized_shape(num_frames, height, width)
-        grid_t = -(-num_frames // vp.temporal_patch_size)
-        return grid_t * (h // vp.patch_size) * (w // vp.patch_size)
-
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
         """uint8 (T, 3, H, W) -> float32, transformers' fused rescale + normalize, bit for bit."""
         x = frames.astype(np.float32)
