@@ -79,11 +79,8 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
     """Whether mlx-vlm's ``load_model`` hands the checkpoint's quantization mode to ``mlx.nn.quantize``."""
     import mlx.core as mx
     import mlx.nn as nn
+    import mlx_vlm.utils as utils
 
-    try:
-        import mlx_vlm.utils as utils
-    except Exception as exc:
-        return Probe("mlx-vlm's load_model", None, f"mlx_vlm.utils did not import: {type(exc).__name__}: {exc}")
     loader = utils.load_model
     while getattr(loader, "__compass_compat__", False) and hasattr(loader, "__wrapped__"):
         loader = loader.__wrapped__  # compass-compat's guard would validate (and probe) again

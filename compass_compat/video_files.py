@@ -148,13 +148,10 @@ def _decode(path: str, indices: Sequence[int]) -> List[np.ndarray]:
 def _mlx_vlm_loader() -> Optional[Callable[..., Any]]:
     """``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else None."""
     try:
-        from mlx_vlm.utils import load_video
+        from mlx_vlm.utils import load_video  # mlx-vlm 0.3.x, 0.4.x have none
     except ImportError:
         return None
-    try:
-        return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None
-    except (TypeError, ValueError):
-        return None
+    return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None
 
 
 def _strip_scheme(path: str) -> str:

@@ -558,8 +558,7 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         GRID_MEMO.remember(data["pixel_values"], data["image_grid_thw"])
         return batch_feature(data, return_tensors)
 
-    def __call__(self, images, return_tensors=None, **overrides) -> BatchFeature:
-        return self.preprocess(images, return_tensors=return_tensors, **overrides)
+    __call__ = preprocess
 
 
 class GridMemo:
