@@ -509,11 +509,9 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
     unexpected = sorted(k for k in stored if k not in allowed)
     if unexpected:
         post_norm = any("post_attention_layernorm" in k for k in unexpected)
-        whose = (
-            "A post_attention_layernorm means these weights are not cohere_compass"
-            if post_norm
-            else ("The weights belong to another model or configuration")
-        )
+        whose = "The weights belong to another model or configuration"
+        if post_norm:
+            whose = "A post_attention_layernorm means these weights are not cohere_compass"
         examples = ", ".join(where(k) for k in unexpected[:5])
         problem = (
             f"{len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. {examples}. {whose}"
@@ -561,12 +559,10 @@ def _check_head(folder: Path, model_config, headers) -> bool:
     if tied != model_config.tie_word_embeddings and _loader_skips_sanitize(folder, headers):
         # The loader would build the head from config.json alone and then fail on the weights.
         fix = (
-            (
-                'set the top-level "tie_word_embeddings": false in config.json to use the stored lm_head '
-                "(or delete lm_head from the weights if it is a copy of the embedding)"
-            )
+            'set the top-level "tie_word_embeddings": false in config.json to use the stored lm_head '
+            "(or delete lm_head from the weights if it is a copy of the embedding)"
             if lm_head_stored
-            else ('set the top-level "tie_word_embeddings": true in config.json')
+            else 'set the top-level "tie_word_embeddings": true in config.json'
         )
         raise CheckpointError(
             f"{folder}: config.json builds the head {'tied' if model_config.tie_word_embeddings else 'untied'} "

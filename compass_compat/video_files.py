@@ -182,7 +182,7 @@ class DecodedVideos:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def reread(self, frames: Any, video_processor: Any, limits: Tuple[Any, Any]) -> Optional[Tuple[np.ndarray, dict]]:
+    def reread(self, frames: Any, video_processor: Any, limits: Tuple[Any, Any]) -> Optional[Tuple[np.ndarray, Any]]:
         """(frames, metadata) of the file ``frames`` came from, sampled by ``video_processor``, or None."""
         with self._lock:
             entry = self._entries.get(id(frames))
@@ -190,14 +190,9 @@ class DecodedVideos:
             return None
         _, path, fps = entry
         min_frames, max_frames = limits
-        frames, meta = read_video(
+        return read_video(
             path, lambda m: video_processor.sample_frames(m, fps=fps, min_frames=min_frames, max_frames=max_frames)
         )
-        return frames, {
-            "total_num_frames": meta.total_num_frames,
-            "fps": meta.fps,
-            "frames_indices": meta.frames_indices,
-        }
 
 
 DECODED_VIDEOS = DecodedVideos()
