@@ -119,8 +119,6 @@ def _flag_from_env(name: str) -> Tuple[bool, str]:
 
 def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tuple[str, str]:
     """The switch's value (auto, vendored, upstream) and where it came from."""
-    if isinstance(implementation, bool):  # apply_patch(True): the older positional force_vendored
-        implementation, force_vendored = None, implementation
     if implementation is not None:
         value, source = str(implementation).strip().lower(), f"apply_patch(implementation={implementation!r})"
     elif force_vendored is not None:

@@ -349,9 +349,7 @@ class CohereCompassVideoProcessor(Settings):
         merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
         return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
 
-    @staticmethod
-    def settings_file(folder: Path) -> tuple:
-        return video_processor_settings(folder)
+    settings_file = staticmethod(video_processor_settings)
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings, as ``save_pretrained`` writes them."""
