@@ -45,10 +45,6 @@ class SourceMetadata:
     height: int = 0
     frames_indices: List[int] = field(default_factory=list)
 
-    @property
-    def duration(self) -> Optional[float]:
-        return self.total_num_frames / self.fps if self.fps else None
-
 
 Sampler = Callable[[SourceMetadata], Sequence[int]]
 
