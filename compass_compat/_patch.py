@@ -437,14 +437,7 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
 
     def registry() -> Any:
         # Looked up when a file is decoded, not at patch time: the package is imported lazily.
-        processor = getattr(importlib.import_module(VIDEO_MODULE), "CohereCompassVideoProcessor", None)
-        if processor is None or not hasattr(processor, "reread_decoded"):
-            raise CompassCompatError(
-                f"{VIDEO_MODULE} has no CohereCompassVideoProcessor.reread_decoded; the vendored package is incomplete",
-                hooks=[f"{VIDEO_MODULE}.CohereCompassVideoProcessor.reread_decoded"],
-                mlx_vlm_version=_mlx_vlm_version(),
-            )
-        processor.reread_decoded = DECODED_VIDEOS.reread
+        importlib.import_module(VIDEO_MODULE).CohereCompassVideoProcessor.reread_decoded = DECODED_VIDEOS.reread
         return DECODED_VIDEOS
 
     def load_video(original: Callable[..., Any], video_path: Any, *args: Any, **kwargs: Any) -> Any:
