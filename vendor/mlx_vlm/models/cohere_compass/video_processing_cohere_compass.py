@@ -316,8 +316,6 @@ class CohereCompassVideoProcessor(Settings):
     ):
         # Settings files carry other keys (class names, image-only keys): ignored, as the reference does.
         size = {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})} if size is not None else DEFAULT_SIZE
-        if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
-            raise ValueError(f"cohere_compass video processor: `size` needs shortest_edge and longest_edge, got {size}")
         self.size = checked_size(size, "video")
         if int(resample) != BICUBIC:
             raise ValueError(
