@@ -1,14 +1,7 @@
 """compass-compat: cohere_compass (Cohere North-Micro-Vision) for mlx-vlm releases that predate it.
 
-``import compass_compat`` patches the installed mlx-vlm (see :func:`apply_patch`):
-afterwards ``mlx_vlm.load`` / ``mlx_vlm.generate`` handle ``cohere_compass``
-checkpoints. Where mlx-vlm ships its own ``cohere_compass`` (0.6.13 and later)
-that one is live only if the checklist's recorded verdict for that release passes
-every item (``compass_compat/verdicts.json``); elsewhere the vendored package is.
-``COMPASS_COMPAT_IMPLEMENTATION=auto|vendored|upstream`` (or
-``apply_patch(implementation=...)``) overrides the rule; :func:`implementation_info`
-says which one is live and why. Importing never imports torch.
-"""
+``import compass_compat`` patches the installed mlx-vlm (:func:`apply_patch` says which
+``cohere_compass`` is live; :func:`implementation_info` says why). Importing never imports torch."""
 
 import sys
 from typing import Optional

@@ -102,17 +102,9 @@ class ImplementationInfo:
 
 
 def _mlx_vlm_version() -> str:
-    try:
-        import mlx_vlm
+    import mlx_vlm
 
-        return str(mlx_vlm.__version__)
-    except (ImportError, AttributeError):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("mlx-vlm")
-        except PackageNotFoundError:
-            return "unknown"
+    return str(mlx_vlm.__version__)
 
 
 def _flag_from_env(name: str) -> Tuple[bool, str]:
@@ -127,8 +119,6 @@ def _flag_from_env(name: str) -> Tuple[bool, str]:
 
 def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tuple[str, str]:
     """The switch's value (auto, vendored, upstream) and where it came from."""
-    if isinstance(implementation, bool):  # apply_patch(True): the older positional force_vendored
-        implementation, force_vendored = None, implementation
     if implementation is not None:
         value, source = str(implementation).strip().lower(), f"apply_patch(implementation={implementation!r})"
     elif force_vendored is not None:
@@ -407,9 +397,7 @@ def _is_video_item(item: Any) -> bool:
 def _install_video_prompt_hook(undo: List[_Undo]) -> None:
     """A cohere_compass user turn with videos gets one video part per video after its images
     (mlx-vlm formats video only for the models it names)."""
-    formatter = getattr(importlib.import_module("mlx_vlm.prompt_utils"), "MessageFormatter", None)
-    if not isinstance(formatter, type):
-        return  # a pin without the class formats no video for any model
+    formatter = importlib.import_module("mlx_vlm.prompt_utils").MessageFormatter
 
     def format_message(original: Callable[..., Any], self: Any, prompt: Any, role: str = "user", *args, **kwargs):
         videos = kwargs.get("video")
@@ -445,18 +433,11 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         return  # mlx-vlm 0.7.x asks the processor's sample_frames itself
     from .video_files import DECODED_VIDEOS
 
-    fps_default = parameters["fps"].default if "fps" in parameters else 2.0
+    fps_default = parameters["fps"].default
 
     def registry() -> Any:
         # Looked up when a file is decoded, not at patch time: the package is imported lazily.
-        processor = getattr(importlib.import_module(VIDEO_MODULE), "CohereCompassVideoProcessor", None)
-        if processor is None or not hasattr(processor, "reread_decoded"):
-            raise CompassCompatError(
-                f"{VIDEO_MODULE} has no CohereCompassVideoProcessor.reread_decoded; the vendored package is incomplete",
-                hooks=[f"{VIDEO_MODULE}.CohereCompassVideoProcessor.reread_decoded"],
-                mlx_vlm_version=_mlx_vlm_version(),
-            )
-        processor.reread_decoded = DECODED_VIDEOS.reread
+        importlib.import_module(VIDEO_MODULE).CohereCompassVideoProcessor.reread_decoded = DECODED_VIDEOS.reread
         return DECODED_VIDEOS
 
     def load_video(original: Callable[..., Any], video_path: Any, *args: Any, **kwargs: Any) -> Any:

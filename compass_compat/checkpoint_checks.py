@@ -14,6 +14,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -287,15 +288,11 @@ def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
     return []
 
 
-def _config_module():
-    return vendored_module("config")
-
-
 def _model_config(folder: Path, config: Dict[str, Any]):
     for key in ("text_config", "vision_config"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise _restore(folder, "config.json", f": {key} must be a JSON object, not {type(config[key]).__name__}")
-    model_config_cls = _config_module().ModelConfig
+    model_config_cls = vendored_module("config").ModelConfig
     try:
         return model_config_cls.from_dict(config)
     except (ValueError, TypeError, KeyError) as err:
@@ -490,7 +487,7 @@ def _defaulted_hint(config: Dict[str, Any]) -> str:
 
 def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) -> None:
     tied = _check_head(folder, model_config, headers)
-    weight_key = _config_module().weight_key  # the model's own key mapping
+    weight_key = vendored_module("config").weight_key  # the model's own key mapping
     stored: Dict[str, Dict[str, Any]] = {}
     original: Dict[str, str] = {}
     for entries in headers.values():
@@ -512,11 +509,9 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
     unexpected = sorted(k for k in stored if k not in allowed)
     if unexpected:
         post_norm = any("post_attention_layernorm" in k for k in unexpected)
-        whose = (
-            "A post_attention_layernorm means these weights are not cohere_compass"
-            if post_norm
-            else ("The weights belong to another model or configuration")
-        )
+        whose = "The weights belong to another model or configuration"
+        if post_norm:
+            whose = "A post_attention_layernorm means these weights are not cohere_compass"
         examples = ", ".join(where(k) for k in unexpected[:5])
         problem = (
             f"{len(unexpected)} stored tensor(s) that the cohere_compass model does not have, e.g. {examples}. {whose}"
@@ -542,7 +537,7 @@ def _check_tensors(folder: Path, config: Dict[str, Any], model_config, headers) 
 def _check_head(folder: Path, model_config, headers) -> bool:
     """The head the stored weights need (``ModelConfig.head_tied``; a stored ``lm_head``
     counts as used: whether it equals the embedding needs the data), or refuse."""
-    weight_key = _config_module().weight_key
+    weight_key = vendored_module("config").weight_key
     lm_head_stored = any(
         (weight_key(key, False) or "").startswith("language_model.lm_head.")
         for entries in headers.values()
@@ -564,17 +559,15 @@ def _check_head(folder: Path, model_config, headers) -> bool:
     if tied != model_config.tie_word_embeddings and _loader_skips_sanitize(folder, headers):
         # The loader would build the head from config.json alone and then fail on the weights.
         fix = (
-            (
-                'set the top-level "tie_word_embeddings": false in config.json to use the stored lm_head '
-                "(or delete lm_head from the weights if it is a copy of the embedding)"
-            )
+            'set the top-level "tie_word_embeddings": false in config.json to use the stored lm_head '
+            "(or delete lm_head from the weights if it is a copy of the embedding)"
             if lm_head_stored
-            else ('set the top-level "tie_word_embeddings": true in config.json')
+            else 'set the top-level "tie_word_embeddings": true in config.json'
         )
         raise CheckpointError(
             f"{folder}: config.json builds the head {'tied' if model_config.tie_word_embeddings else 'untied'} "
             f"({keys}) but the weights {'store' if lm_head_stored else 'do not store'} lm_head; mlx-vlm "
-            f"{_dist_version('mlx-vlm')} loads MLX-format weight files without the model's sanitize, "
+            f"{version('mlx-vlm')} loads MLX-format weight files without the model's sanitize, "
             f"which settles that: {fix}",
             folder=folder,
             file="config.json",
@@ -587,18 +580,10 @@ def _key_state(value: Optional[bool]) -> str:
 
 
 def _loader_skips_sanitize(folder: Path, headers) -> bool:
-    """Whether this pin's load_model leaves MLX-format files unsanitized and some file is one.
-
-    mlx-vlm 0.4.4 and 0.6.3 skip the model's sanitize when the first weight file's metadata
-    says ``format: mlx`` (0.3.9, 0.6.12, 0.7.10 always call it): read from the installed
-    loader's source, since the releases in between were not measured.
-    """
-    spec = importlib.util.find_spec("mlx_vlm")
-    source = Path(spec.origin).parent / "utils.py" if spec and spec.origin else None
-    try:
-        skips = source is not None and "if not is_mlx_format:" in source.read_text(encoding="utf-8")
-    except OSError:
-        skips = False
+    """Whether this pin's load_model leaves MLX-format files unsanitized (mlx-vlm 0.4.4, 0.6.3;
+    read from its source, the releases between were not measured) and some file is one."""
+    source = Path(importlib.util.find_spec("mlx_vlm").origin).parent / "utils.py"
+    skips = "if not is_mlx_format:" in source.read_text(encoding="utf-8")
     return skips and any(_metadata(folder, name).get("format") == "mlx" for name in headers)
 
 
@@ -609,28 +594,16 @@ def _metadata(folder: Path, name: str) -> Dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-# Quantization modes beyond affine and the (group_size, bits) each needs. Whether this install
-# loads one is measured, not read from version numbers (compass_compat/probes.py): mlx-vlm's
-# loader must pass the mode to mlx.nn.quantize (0.3.9's does not) and mlx's quantized_matmul on
-# the default device must agree with the dequantized product (mlx 0.30.0's CPU kernels do not
-# for mxfp8 and nvfp4). tests/test_quant_modes.py checks the probes against real loads.
+# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install
+# loads one is measured by compass_compat.probes (docs/testing.md).
 QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
-
-
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> None:
     """Refuse a quantization mode this install is measured not to load, before mlx-vlm's loader runs."""
     if mode == "affine":
         return
-    mlx_vlm, mlx = _dist_version("mlx-vlm"), _dist_version("mlx")
+    mlx_vlm, mlx = version("mlx-vlm"), version("mlx")
     pin = f"mlx-vlm {mlx_vlm} with mlx {mlx}"
     affine = (
         "or use an affine conversion of the model (mlx_vlm.convert -q --q-bits 4 or 8, whose default mode is affine)"

@@ -1,11 +1,8 @@
 """CPU lanes: a loaded cohere_compass model's large matmuls and attention over one CPU stream per core.
 
-MLX's CPU backend runs a stream on one thread and its Linux wheels link the single-threaded
-reference BLAS. :func:`apply` (the loader guard, on the CPU device only) gives the model's
-projections, rotaries and attention modules subclasses of their own classes that cut the work by
-output rows (attention: KV-head groups, then query blocks) over one stream per core, each element
-from the same kernel: bit-identical to the unsplit call (tests/test_cpu_lanes.py). Lanes: the
-cores this process may use on Linux, else 1 (off); ``COMPASS_COMPAT_CPU_LANES`` or :func:`configure`.
+:func:`apply` (the loader guard, on the CPU device only) gives the projections, rotaries and
+attention modules lane subclasses that split the work by output rows (attention: KV-head groups,
+then query blocks), bit-identical to the unsplit call; why and what it measures: docs/features.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""One check of a checkpoint folder per ``mlx_vlm.load``.
-
-``mlx_vlm.load`` reaches the checks twice, in the shim's loader guard and then in its processor
-hook, on one thread; the hook takes the guard's verdict when no entry of the folder changed in
-between (the stat is taken before the check, so a change during it counts too). A verdict
-serves one load only: every load checks again, so none outlives what it rests on besides the
-folder (this install's measurements: compass_compat.probes can re-measure).
-"""
+"""One check of a checkpoint folder per ``mlx_vlm.load`` (docs/shim.md): the processor hook takes
+the loader guard's verdict, on the same thread, when no entry of the folder changed in between
+(the stat is taken before the check); every load checks again."""
 
 from __future__ import annotations
 

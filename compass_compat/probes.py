@@ -1,21 +1,6 @@
-"""Probes of the running install: what it can do, measured, instead of assumed from version numbers.
-
-Each probe runs at most once per process (cached) and returns a :class:`Probe`: ``ok`` (True:
-works, False: measured broken, None: could not be observed), and ``evidence``, the measurement
-in words, which errors quote.
-
-- :func:`quant_kernel`: quantize a small matrix in a mode with ``mx.quantize`` and compare
-  ``mx.quantized_matmul`` on the default device with the product of ``mx.dequantize``'s
-  weights. mlx 0.30.0's CPU kernels compute wrong mxfp8 and nvfp4 products (differences above
-  1 on values of about 16); an mlx without the mode raises, which counts as broken too.
-- :func:`loader_passes_mode`: whether mlx-vlm's ``load_model`` builds the quantized layers in
-  the checkpoint's mode. It runs the installed loader (without compass-compat's guard) on a
-  folder holding only a tiny ``cohere_compass`` config with a ``quantization`` block and an
-  empty weight file, and stops it at its ``mlx.nn.quantize`` call, recording the keywords
-  (mlx-vlm 0.3.9 passes no ``mode``, so mxfp4 weights meet affine layers).
-
-``clear_cache()`` forgets every verdict (tests that swap a kernel or a loader call it).
-"""
+"""Probes of the running install: what it can do, measured once per process instead of assumed
+from version numbers (what each measures: docs/testing.md). A :class:`Probe` is ``ok`` (True:
+works, False: measured broken, None: not observable) with its ``evidence``, which errors quote."""
 
 from __future__ import annotations
 
@@ -94,11 +79,8 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
     """Whether mlx-vlm's ``load_model`` hands the checkpoint's quantization mode to ``mlx.nn.quantize``."""
     import mlx.core as mx
     import mlx.nn as nn
+    import mlx_vlm.utils as utils
 
-    try:
-        import mlx_vlm.utils as utils
-    except Exception as exc:
-        return Probe("mlx-vlm's load_model", None, f"mlx_vlm.utils did not import: {type(exc).__name__}: {exc}")
     loader = utils.load_model
     while getattr(loader, "__compass_compat__", False) and hasattr(loader, "__wrapped__"):
         loader = loader.__wrapped__  # compass-compat's guard would validate (and probe) again

@@ -1,17 +1,6 @@
-"""Reject malformed image inputs with a 400 before they reach mlx-vlm's server.
-
-Every mlx-vlm pin from 0.3.9 to 0.7.10 answers a chat request whose image cannot be read
-(bad base64, bytes that are no image, a missing file) with HTTP 500: the error surfaces
-inside generation and its handlers map everything there to 500. They also declare
-``MAX_IMAGES = 10`` per request but never enforce it. ``python -m compass_compat server``
-wraps the app with :class:`ImageRequestGuard` (an ASGI middleware), which checks the
-images of OpenAI-style requests up front and answers a clear 400 instead; valid requests
-pass through byte for byte. ``--no-guard`` turns it off.
-
-Checked routes (with or without ``/v1``): ``/chat/completions`` (``image_url`` and
-``input_image`` parts of every message) and ``/responses`` (``input_image`` items).
-``http(s)`` URLs are left to the server (the guard fetches nothing).
-"""
+"""Malformed image inputs answered with a 400 before they reach mlx-vlm's server (every pin answers
+500, and none enforces its MAX_IMAGES): an ASGI middleware on ``/chat/completions`` and
+``/responses`` (with or without ``/v1``); ``http(s)`` URLs pass unfetched (docs/hosts.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The checklist's recorded verdicts (``verdicts.json``, shipped in the package): which checklist
-items each mlx-vlm release's own ``cohere_compass`` passes, as the pin-bump job measured them.
-
-:func:`apply_patch` reads them to decide which ``cohere_compass`` is live: upstream's only on a
-release whose recorded upstream verdict passes every item. CHECKLIST.md's table and
-tests/test_checklist.py read the same file; ``scripts/pin_bump/record.py`` writes it.
-"""
+"""The checklist's recorded verdicts (``verdicts.json``, shipped in the package; written by
+``scripts/pin_bump/record.py``): which items each mlx-vlm release's own ``cohere_compass`` passes.
+:func:`apply_patch` makes upstream's live only on a release whose recorded verdict passes every item."""
 
 from __future__ import annotations
 

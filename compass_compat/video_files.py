@@ -45,10 +45,6 @@ class SourceMetadata:
     height: int = 0
     frames_indices: List[int] = field(default_factory=list)
 
-    @property
-    def duration(self) -> Optional[float]:
-        return self.total_num_frames / self.fps if self.fps else None
-
 
 Sampler = Callable[[SourceMetadata], Sequence[int]]
 
@@ -148,13 +144,10 @@ def _decode(path: str, indices: Sequence[int]) -> List[np.ndarray]:
 def _mlx_vlm_loader() -> Optional[Callable[..., Any]]:
     """``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else None."""
     try:
-        from mlx_vlm.utils import load_video
+        from mlx_vlm.utils import load_video  # mlx-vlm 0.3.x, 0.4.x have none
     except ImportError:
         return None
-    try:
-        return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None
-    except (TypeError, ValueError):
-        return None
+    return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None
 
 
 def _strip_scheme(path: str) -> str:
@@ -185,7 +178,7 @@ class DecodedVideos:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def reread(self, frames: Any, video_processor: Any, limits: Tuple[Any, Any]) -> Optional[Tuple[np.ndarray, dict]]:
+    def reread(self, frames: Any, video_processor: Any, limits: Tuple[Any, Any]) -> Optional[Tuple[np.ndarray, Any]]:
         """(frames, metadata) of the file ``frames`` came from, sampled by ``video_processor``, or None."""
         with self._lock:
             entry = self._entries.get(id(frames))
@@ -193,14 +186,9 @@ class DecodedVideos:
             return None
         _, path, fps = entry
         min_frames, max_frames = limits
-        frames, meta = read_video(
+        return read_video(
             path, lambda m: video_processor.sample_frames(m, fps=fps, min_frames=min_frames, max_frames=max_frames)
         )
-        return frames, {
-            "total_num_frames": meta.total_num_frames,
-            "fps": meta.fps,
-            "frames_indices": meta.frames_indices,
-        }
 
 
 DECODED_VIDEOS = DecodedVideos()

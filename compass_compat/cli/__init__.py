@@ -1,11 +1,5 @@
-"""``python -m compass_compat``: mlx-vlm's generate, server and convert with the patch applied.
-
-One module per subcommand, each with ``add_parser`` and ``main``: :mod:`.generate` (the toy
-default checkpoint and the demo picture when ``--model`` / ``--image`` are left out),
-:mod:`.server`, :mod:`.convert`, :mod:`.run` (any command with the startup hook on) and
-:mod:`.info`. Importing this package imports ``compass_compat``, so the patch is in effect
-before any subcommand touches mlx-vlm.
-"""
+"""``python -m compass_compat``: mlx-vlm's generate, server and convert with the patch applied, one
+module per subcommand (``add_parser`` and ``main``); importing this package applies the patch."""
 
 from __future__ import annotations
 

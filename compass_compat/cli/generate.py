@@ -1,9 +1,5 @@
-"""``generate``: mlx-vlm's load + stream_generate with the patch applied.
-
-Without ``--model`` it builds (once) and uses the toy default checkpoint
-(:func:`compass_data.toy.ensure_default_checkpoint`), without ``--image`` the bundled demo
-picture (shapes the toy answers correctly).
-"""
+"""``generate``: mlx-vlm's load + stream_generate with the patch applied; without ``--model`` the toy
+default checkpoint (built once), without ``--image`` the bundled demo picture."""
 
 from __future__ import annotations
 

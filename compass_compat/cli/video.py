@@ -89,9 +89,7 @@ def video_inputs(
     for video in videos:
         frames, meta = read_video(video, lambda source: video_processor.sample_frames(source, **sampling))
         clips.append(frames)
-        metadata.append(
-            {"total_num_frames": meta.total_num_frames, "fps": meta.fps, "frames_indices": meta.frames_indices}
-        )
+        metadata.append(meta)
     content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
     content.append({"type": "text", "text": prompt})
     messages = [{"role": "user", "content": content}]
@@ -112,5 +110,5 @@ def video_inputs(
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"):
         if out.get(key) is not None:
             kwargs[key] = mx.array(np.asarray(out[key]))
-    times = [[int(i) / (m["fps"] or 24.0) for i in m["frames_indices"]] for m in metadata]
+    times = [[int(i) / (m.fps or 24.0) for i in m.frames_indices] for m in metadata]
     return text, kwargs, times

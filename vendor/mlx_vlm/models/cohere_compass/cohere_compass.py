@@ -438,11 +438,14 @@ def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[st
     can be had: loading then names the missing ``lm_head.weight``)."""
     names = {weight_key(k, False): k for k in weights}
     head = {n[len(_HEAD) :]: k for n, k in names.items() if n and n.startswith(_HEAD)}
-    # Compared only where it decides: a stored head with the top-level key true.
-    same = (
-        bool(head)
-        and bool(config.declared_tie_word_embeddings)
-        and _same_arrays(weights, head, {part: names.get(_EMBED + part) for part in head})
+    embed = {part: names.get(_EMBED + part) for part in head}
+    # Compared only where it decides (a stored head with the top-level key true), part by part.
+    same = bool(head and config.declared_tie_word_embeddings) and all(
+        embed[part] is not None
+        and weights[key].shape == weights[embed[part]].shape
+        and weights[key].dtype == weights[embed[part]].dtype
+        and mx.array_equal(weights[key], weights[embed[part]]).item()
+        for part, key in head.items()
     )
     tied = config.head_tied(bool(head), same)
     if tied is None or tied == language_model.tie_word_embeddings:
@@ -454,17 +457,6 @@ def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[st
         language_model.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
     language_model.tie_word_embeddings = config.tie_word_embeddings = tied
     return tied
-
-
-def _same_arrays(weights: Dict[str, Any], a: Dict[str, str], b: Dict[str, Optional[str]]) -> bool:
-    """Whether the stored tensors named by ``a`` and ``b`` (part -> key) are equal, part by part."""
-    return all(
-        b[part] is not None
-        and weights[a[part]].shape == weights[b[part]].shape
-        and weights[a[part]].dtype == weights[b[part]].dtype
-        and mx.array_equal(weights[a[part]], weights[b[part]]).item()
-        for part in a
-    )
 
 
 class WholePrompt(NamedTuple):

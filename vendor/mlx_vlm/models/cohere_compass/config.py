@@ -217,10 +217,6 @@ class ModelConfig:
         return cls(**_known_fields(cls, params))
 
     def __post_init__(self):
-        if isinstance(self.text_config, dict):
-            self.text_config = TextConfig.from_dict(self.text_config)
-        if isinstance(self.vision_config, dict):
-            self.vision_config = VisionConfig.from_dict(self.vision_config)
         if self.eos_token_id is None:
             self.eos_token_id = self.text_config.eos_token_id
         if self.declared_tie_word_embeddings is None:

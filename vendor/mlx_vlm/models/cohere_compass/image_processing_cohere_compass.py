@@ -133,9 +133,7 @@ def resolve_pixel_bounds(
 def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None) -> PixelBounds:
     """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
     folder = Path(folder)
-    config, name = image_processor_settings(
-        read_json(folder / "processor_config.json"), read_json(folder / "preprocessor_config.json")
-    )
+    config, name = CohereCompassImageProcessor.settings_file(folder)
     return resolve_pixel_bounds(config, name, read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
 
 
@@ -558,8 +556,7 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         GRID_MEMO.remember(data["pixel_values"], data["image_grid_thw"])
         return batch_feature(data, return_tensors)
 
-    def __call__(self, images, return_tensors=None, **overrides) -> BatchFeature:
-        return self.preprocess(images, return_tensors=return_tensors, **overrides)
+    __call__ = preprocess
 
 
 class GridMemo:

@@ -82,15 +82,6 @@ def _count_video_tokens(text) -> int:
     return sum(t.count(VIDEO_TOKEN) for t in texts if isinstance(t, str))
 
 
-def video_without_frames(found: int) -> VideoCountMismatchError:
-    return VideoCountMismatchError(
-        f"cohere_compass: the text holds {found} {VIDEO_TOKEN} token(s) (a video part of a message renders as "
-        "one) but no video was passed with it. Pass the frames through the processor, "
-        "processor(text=..., videos=[frames], video_metadata=[{'total_num_frames': ..., 'fps': ...}]), or drop "
-        "the video part."
-    )
-
-
 def _media(conversation) -> tuple:
     """(images, videos) of user messages' list content, by the template's rules (None: a part
     without its image or frames)."""
@@ -196,8 +187,14 @@ def without_double_bos(tokenizer):
 
     def guarded(method, refuse_video: bool = True):
         def call(self, text=None, *args, add_special_tokens=True, **kwargs):
-            if refuse_video and _count_video_tokens(text):
-                raise video_without_frames(_count_video_tokens(text))
+            found = _count_video_tokens(text) if refuse_video else 0
+            if found:
+                raise VideoCountMismatchError(
+                    f"cohere_compass: the text holds {found} {VIDEO_TOKEN} token(s) (a video part of a message "
+                    "renders as one) but no video was passed with it. Pass the frames through the processor, "
+                    "processor(text=..., videos=[frames], video_metadata=[{'total_num_frames': ..., 'fps': ...}]), "
+                    "or drop the video part."
+                )
             text = strip(self, text, add_special_tokens)
             return method(self, text, *args, add_special_tokens=add_special_tokens, **kwargs)
 

@@ -316,8 +316,6 @@ class CohereCompassVideoProcessor(Settings):
     ):
         # Settings files carry other keys (class names, image-only keys): ignored, as the reference does.
         size = {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})} if size is not None else DEFAULT_SIZE
-        if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
-            raise ValueError(f"cohere_compass video processor: `size` needs shortest_edge and longest_edge, got {size}")
         self.size = checked_size(size, "video")
         if int(resample) != BICUBIC:
             raise ValueError(
@@ -349,9 +347,7 @@ class CohereCompassVideoProcessor(Settings):
         merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
         return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
 
-    @staticmethod
-    def settings_file(folder: Path) -> tuple:
-        return video_processor_settings(folder)
+    settings_file = staticmethod(video_processor_settings)
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings, as ``save_pretrained`` writes them."""
@@ -473,13 +469,6 @@ class CohereCompassVideoProcessor(Settings):
         return smart_resize_video(
             num_frames, height, width, self.temporal_patch_size, factor, self.size["shortest_edge"], max_pixels
         )
-
-    def get_num_of_video_patches(self, num_frames: int, height: int, width: int, videos_kwargs=None) -> int:
-        """Patches (before the 2x2 merge) of a ``num_frames``-frame video of that size."""
-        vp = self.with_settings({k: v for k, v in (videos_kwargs or {}).items() if k in VIDEO_PROCESSOR_KEYS})
-        h, w = vp.resized_shape(num_frames, height, width)
-        grid_t = -(-num_frames // vp.temporal_patch_size)
-        return grid_t * (h // vp.patch_size) * (w // vp.patch_size)
 
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
         """uint8 (T, 3, H, W) -> float32, transformers' fused rescale + normalize, bit for bit."""
