@@ -29,6 +29,7 @@ from scripts._lib.contract import (
     item_interleaved,
     item_lm_chunks,
     item_merged,
+    item_merged_after_a_restored_text_prefix,
     item_model_chunks,
     item_one_row_batch,
     item_rebuilt_after_its_prefill,
@@ -333,6 +334,15 @@ def test_requests_merged_into_one_batch_cache_keep_their_own_delta(model, cases)
     cache and decoded with nothing but the cache; a row finishes (filter), another is taken
     out and decoded alone (extract). Each row's delta travels with its row."""
     item_merged(model, [cases["text_long"], cases["img_448"], cases["img_two"], cases["text_short"]])
+
+
+@pytest.mark.skipif(not hasattr(make_cache_class(), "merge"), reason="this pin's caches have no merge")
+def test_merged_batch_led_by_a_restored_text_prefix_keeps_each_rows_delta(model, cases):
+    """Rapid-MLX after a restart with its saved prefix snapshot: a restored text prompt (the pin's
+    own cache classes) first in the batch, so its class's ``merge`` builds the batch cache; the
+    picture rows still decode with their own deltas (f1 answered "Blue blue9, 409,")."""
+    text = cases["text_long"]
+    item_merged_after_a_restored_text_prefix(model, text, [cases["img_448"], cases["img_two"]], text.length // 2)
 
 
 @pytest.mark.parametrize("given", ["text zeros", "nothing"])

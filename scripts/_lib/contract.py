@@ -338,6 +338,43 @@ def item_merged(model, cases: List[Case], finish_at: int = 3, extract_at: int = 
         check(case, rows[i], "merged batch")
 
 
+def restored_from_snapshot(cache: List[Any]) -> List[Any]:
+    """As Rapid-MLX restores a saved prefix: each layer rebuilt from its state as the pin's own
+    class (``mlx_vlm.models.cache``), nothing of ours kept."""
+    from mlx_vlm.models import cache as pin
+
+    restored = []
+    for c in cache:
+        rotating = hasattr(c, "max_size")
+        new = pin.RotatingKVCache(max_size=c.max_size, keep=c.keep) if rotating else pin.KVCache()
+        new.state = c.state
+        if rotating:
+            new.meta_state = c.meta_state
+        restored.append(new)
+    return restored
+
+
+def item_merged_after_a_restored_text_prefix(model, text: Case, pictures: List[Case], split: int) -> None:
+    """Rapid-MLX's default batching after a restart with its prefix snapshot: the text prompt's
+    first ``split`` tokens restored into caches of the pin's own class, its suffix through
+    ``Model.__call__`` (``pixel_values=None``), the pictures prefilled on the model's caches, all
+    merged by the text cache's class (first in the batch) and decoded with nothing but the cache."""
+    saved = make_cache(model)
+    mx.eval(model(text.ids[:, :split], cache=saved, pixel_values=None).logits)
+    restored = restored_from_snapshot(saved)
+    caches = [restored] + [make_cache(model) for _ in pictures]
+    rows = [[last(model(text.ids[:, split:], cache=restored, pixel_values=None))]]
+    rows += [[prefill_whole(model, c, cache)] for c, cache in zip(pictures, caches[1:])]
+    batch = merge_caches(caches)
+    cases = [text] + pictures
+    for step in range(STEPS - 1):
+        out = model.language_model(mx.array([[c.greedy[step]] for c in cases]), cache=batch)
+        for row in range(len(cases)):
+            rows[row].append(np.array(out.logits[row, -1]))
+    for case, got in zip(cases, rows):
+        check(case, got, "merged after a restored text prefix")
+
+
 def make_cache_class() -> type:
     """The request cache class mlx-vlm's generate makes on this pin (``merge`` where it batches)."""
     from mlx_vlm.models.cache import KVCache

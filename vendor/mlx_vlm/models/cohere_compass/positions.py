@@ -9,7 +9,9 @@ its cache offset. The state that decides which lives in three places, each with 
 - :class:`Kept`, on the request's first cache layer (attribute ``compass_positions``): the delta its
   tokens continue from (one per row), the column from which that delta holds (past its last
   vision token) and the most tokens a rotating cache held. Batch caches made by ``merge`` carry
-  one delta per row through filter, extend and extract (:class:`_KeepsRowDeltas`).
+  one delta per row through filter, extend and extract (:class:`_KeepsRowDeltas`); a first layer
+  a host rebuilt as the pin's rotating class takes the model's at its next forward, so a batch it
+  leads carries them too.
 - :class:`Issued`, a weak registry of the arrays the model itself handed out: whole-prompt
   positions (they count from column 0), a suffix's positions (they follow ``prefix`` cached
   tokens), deltas (their one value when every row has it), a text prompt's zeros, each delta
@@ -194,6 +196,12 @@ def resolve(
     keeps the delta its tokens use with the cache and in ``lm._rope_deltas``."""
     first = cache[0]
     batched = is_batch_cache(first)
+    if not batched and type(first) is _PinRotatingKVCache and BatchRotatingKVCache is not None:
+        # Rebuilt by a host as the pin's class (Rapid-MLX's restored prefix snapshot): the model's
+        # subclass, same state, so a merge called on it keeps every row's delta.
+        ours = type(lm.make_cache()[0])
+        if issubclass(ours, _PinRotatingKVCache):
+            first.__class__ = ours
     if batched:
         absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding"))
         # A copy: batch caches update ``offset`` in place in layer 0, and every later layer must
