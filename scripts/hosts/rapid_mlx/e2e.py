@@ -9,11 +9,13 @@ Run it with the environment's interpreter (scripts/hosts/rapid_mlx/env.sh builds
 
 mlx-vlm 0.7.2 ships its own cohere_compass; the server runs with COMPASS_COMPAT_AUTOPATCH=1 alone,
 and the recorded verdicts make the vendored package live there (upstream's fails the checklist). `--mllm` makes Rapid-MLX
-load the folder as a vision model (its auto-detection goes by model name). Two server starts:
+load the folder as a vision model (its auto-detection goes by model name). Three server starts:
 
 - `default`: Rapid-MLX's defaults (continuous batching of up to 256 sequences);
 - `lane`: its one-at-a-time lane, `--max-num-seqs 1 --prefill-batch-size 1
-  --completion-batch-size 1` (the structural single-request path, mllm_scheduler.py).
+  --completion-batch-size 1` (the structural single-request path, mllm_scheduler.py);
+- `restart`: its defaults again on the same model copy, starting from the prefix snapshot the
+  phases before saved at shutdown (restored text prompts batched with picture requests).
 
 Each gets the standard request set (scripts/hosts/common/e2e.py) plus Rapid-MLX's own path: a
 long text prompt (about 2180 tokens), which it prefills in chunks of `--prefill-step-size`
@@ -57,6 +59,9 @@ HOST = Host(
     phases=lambda: [
         Phase("default", cases(), note="Rapid-MLX's defaults"),
         Phase("lane", cases(), args=LANE, note="one request at a time"),
+        # Its defaults again on the same model copy: the prefix snapshot the two phases saved at
+        # shutdown is loaded, so restored text prompts are batched with picture requests.
+        Phase("restart", cases(), note="Rapid-MLX's defaults after a restart with its prefix snapshot"),
     ],
 )
 
