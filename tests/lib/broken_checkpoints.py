@@ -6,6 +6,8 @@ process keeps working after each one.
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Tuple
@@ -56,6 +58,31 @@ def _truncate(keep: Callable[[int], int]):
         (d / "model.safetensors").write_bytes(data[: keep(len(data))])
 
     return edit
+
+
+def _header(edit):
+    """Rewrite model.safetensors' JSON header with ``edit`` (the tensor data kept as it is)."""
+
+    def rewrite(d):
+        data = (d / "model.safetensors").read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = edit(json.loads(data[8 : 8 + length]))
+        raw = json.dumps(header).encode()
+        (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+
+    return rewrite
+
+
+def _first_tensor(edit):
+    def change(header):
+        edit(header[next(k for k in sorted(header) if k != "__metadata__")])
+        return header
+
+    return _header(change)
+
+
+def _index(index):
+    return lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
 
 
 def _pop_weight(key):
@@ -190,6 +217,55 @@ BROKEN: List[Broken] = [
         GUARDED,
         r"model\.safetensors in .* is not a valid safetensors file \(its header claims \d+ bytes but the file "
         r"holds 92 after the length\); .*download it again",
+    ),
+    Broken(
+        "weights_too_short",
+        _truncate(lambda n: 4),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(4 bytes, too short for a header\); .*download it again",
+    ),
+    Broken(
+        "header_not_an_object",
+        _header(lambda h: [h]),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(the header is not a JSON object\)",
+    ),
+    Broken(
+        "header_entry_without_dtype",
+        _first_tensor(lambda t: t.pop("dtype")),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(tensor '.*' has a malformed entry \(KeyError\('dtype'\)\)\)",
+    ),
+    Broken(
+        "header_unknown_dtype",
+        _first_tensor(lambda t: t.__setitem__("dtype", "Q9")),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(tensor '.*' has dtype 'Q9' and shape \[",
+    ),
+    Broken(
+        "header_offsets_reversed",
+        _first_tensor(lambda t: t.__setitem__("data_offsets", t["data_offsets"][::-1])),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(tensor '.*' has data offsets \[\d+, \d+\]\)",
+    ),
+    Broken(
+        "header_shape_disagrees_with_its_bytes",
+        _first_tensor(lambda t: t.__setitem__("shape", [2 * t["shape"][0], *t["shape"][1:]])),
+        GUARDED,
+        r"model\.safetensors in .* is not a valid safetensors file \(tensor '.*' of shape \[.*\] \w+ has \d+ bytes of data\)",
+    ),
+    Broken(
+        "index_without_weight_map",
+        _index({"metadata": {}}),
+        GUARDED,
+        r"model\.safetensors\.index\.json in .* has no weight_map object; restore it from the published checkpoint",
+    ),
+    Broken(
+        "index_names_a_missing_shard",
+        _index({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}),
+        GUARDED,
+        r"model\.safetensors\.index\.json in .* names shard 'model-00002-of-00002\.safetensors', which is missing; "
+        r"the download is incomplete: download it again",
     ),
     Broken(
         "quantization_bits_disagree",
