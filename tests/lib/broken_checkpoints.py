@@ -85,6 +85,18 @@ def _index(index):
     return lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
 
 
+def _first_quantized(edit):
+    """``edit(folder, module)`` for the first quantized module (by name) of model.safetensors."""
+
+    def change(d):
+        with open(d / "model.safetensors", "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            keys = json.loads(f.read(length))
+        edit(d, min(k for k in keys if k.endswith(".scales"))[: -len(".scales")])
+
+    return change
+
+
 def _pop_weight(key):
     return lambda d: edit_weights(d, lambda w: w.pop(key))
 
@@ -288,6 +300,21 @@ BROKEN: List[Broken] = [
         GUARDED,
         r"shows the weights are quantized \(4-bit, group size 32\), but config\.json has no quantization block.*"
         r"Add \"quantization\": \{\"group_size\": 32, \"bits\": 4, \"mode\": \"affine\"\}",
+        quantized=True,
+    ),
+    Broken(
+        "quantization_override_says_unquantized",
+        _first_quantized(lambda d, m: edit_json(d, "config.json", lambda c: c["quantization"].__setitem__(m, False))),
+        GUARDED,
+        r"config\.json's quantization block says .* is not quantized, but .*\.scales \(in model\.safetensors\) is stored",
+        quantized=True,
+    ),
+    Broken(
+        "quantization_biases_missing",
+        _first_quantized(lambda d, m: edit_weights(d, lambda w: w.pop(m + ".biases"))),
+        GUARDED,
+        r"is quantized in affine mode but its \.biases tensor is missing or shaped unlike its \.scales; the weights "
+        r"are incomplete: re-download or re-convert them",
         quantized=True,
     ),
     Broken(
