@@ -121,11 +121,34 @@ def test_model_is_built_from_the_key_the_config_writer_meant():
         (dict(rope_parameters={"sliding_attention": {"rope_theta": 1, "mrope_section": [24, 20, 19]}}), "sums to 63"),
         (dict(num_key_value_heads=5), "multiple of num_key_value_heads"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), "rope_type 'yarn'"),
+        (
+            dict(hidden_size=2050),
+            r"hidden_size \(2050\) must be divisible by num_attention_heads \(16\), or give head_dim",
+        ),
+        (dict(head_dim=63), "head_dim must be a positive even number, got 63"),
+        (dict(sliding_window=None), "sliding_window must be a positive integer when layer_types contains sliding"),
+        (dict(rope_parameters={"rope_theta": 1.0, "mrope_section": [32, 32]}), r"mrope_section must have 3 entries"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_key(kw, words):
     with pytest.raises(ValueError, match=words):
         text(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(hidden_size=30, num_heads=4), r"vision_config\.hidden_size \(30\) must be divisible by num_heads \(4\)"),
+        (dict(num_position_embeddings=2000), "num_position_embeddings must be a square number"),
+        (
+            dict(depth=2, deepstack_visual_indexes=[1, 2]),
+            r"deepstack_visual_indexes \[2\] lie outside the 2 vision blocks",
+        ),
+    ],
+)
+def test_bad_vision_values_raise_value_error_naming_the_key(kw, words):
+    with pytest.raises(ValueError, match=words):
+        cfg.VisionConfig.from_dict(kw)
 
 
 def test_wrong_model_type_is_refused():
