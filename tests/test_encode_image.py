@@ -86,6 +86,29 @@ def test_features_of_the_wrong_width_are_refused(model, reference):
         logits(model, case, cached_image_features=enc[:, : model.config.text_config.hidden_size])
 
 
+@pytest.mark.parametrize(
+    "form, words",
+    [
+        ("dict without deepstack", "as a dict needs the keys"),
+        ("empty list", "as a list must hold one or more mx.array from encode_image"),
+        ("list of numpy arrays", "as a list must hold one or more mx.array from encode_image"),
+        ("numpy array", "must be the mx.array returned by Model.encode_image, got ndarray"),
+    ],
+)
+def test_replay_forms_it_cannot_read_are_refused(model, reference, form, words):
+    case = reference("img_448")
+    enc = encode(model, case)
+    D = model.config.text_config.hidden_size
+    given = {
+        "dict without deepstack": {"image_features": enc[:, :D]},
+        "empty list": [],
+        "list of numpy arrays": [np.asarray(enc)],
+        "numpy array": np.asarray(enc),
+    }[form]
+    with pytest.raises(ValueError, match=words):
+        logits(model, case, cached_image_features=given)
+
+
 def test_deepstack_is_part_of_the_replay(model, reference):
     """Dropping the deepstack features from a replay changes the logits (so the test above has teeth)."""
     case = reference("img_448")
