@@ -566,6 +566,23 @@ def test_apply_chat_template_and_decode(processor, tokenizer):
     assert processor.batch_decode(ids) == tokenizer.batch_decode(ids)
 
 
+@pytest.mark.parametrize(
+    "conversation, words",
+    [
+        (
+            [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello"}]],
+            "tokenize=True takes one conversation",
+        ),
+        ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], "carries no image"),
+        ([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "hi"}]}], "carries no frames"),
+    ],
+    ids=["a-batch", "image-part-without-image", "video-part-without-frames"],
+)
+def test_tokenized_chat_template_refuses_what_it_cannot_process(processor, conversation, words):
+    with pytest.raises(ValueError, match=words):
+        processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+
+
 # ---------------------------------------------------------------- loading from a folder
 
 
