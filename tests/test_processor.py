@@ -614,6 +614,19 @@ def test_from_pretrained_builds_everything_from_the_folder(tmp_path, template_in
     assert sum(proc(text=text, images=images)["mm_token_type_ids"][0]) == 196
 
 
+def test_a_tokenizer_config_without_tokenizer_class_loads_the_same_tokenizer(tmp_path):
+    # transformers 4.57 cannot pick a tokenizer for an unknown model_type: tokenizer.json is read directly.
+    folder = make_checkpoint(tmp_path)
+    text, images = _prompt(pc.CohereCompassProcessor.from_pretrained(folder), "one-image")
+    expected = pc.CohereCompassProcessor.from_pretrained(folder)(text=text, images=images)["input_ids"]
+    edit_config = json.loads((folder / "tokenizer_config.json").read_text())
+    edit_config.pop("tokenizer_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(edit_config))
+    proc = pc.CohereCompassProcessor.from_pretrained(folder)
+    assert proc(text=text, images=images)["input_ids"] == expected
+    assert proc.tokenizer.convert_ids_to_tokens(expected[0][:2]).count("<BOS_TOKEN>") == 1
+
+
 def test_from_pretrained_reads_legacy_keys_and_takes_overrides(tmp_path):
     legacy = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 4096, "max_pixels": 65536}
     folder = make_checkpoint(tmp_path, preprocessor=legacy)
