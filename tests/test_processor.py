@@ -120,6 +120,8 @@ PIXEL_CASES = {
     # once more with do_rescale; do_rescale=False is the way to pass them.
     "numpy-float-0-1": (lambda: noise(300, 220, 3, 20) / 255.0, {"do_rescale": False}),
     "numpy-float-0-1-rescaled-twice": (lambda: noise(300, 220, 3, 20) / 255.0, {}),
+    "no-resize-224x160": (lambda: rgb(224, 160, 21), {"do_resize": False}),
+    "numpy-float-no-resize": (lambda: noise(192, 128, 3, 22).astype(np.float32), {"do_resize": False}),
 }
 
 
