@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, List, Tuple
 
 import numpy as np
+from safetensors import safe_open
 
 from compass_compat.checkpoint_checks import CheckpointError
 from compass_data.tiny import PADDED_VOCAB_SIZE
@@ -89,9 +90,8 @@ def _first_quantized(edit):
     """``edit(folder, module)`` for the first quantized module (by name) of model.safetensors."""
 
     def change(d):
-        with open(d / "model.safetensors", "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            keys = json.loads(f.read(length))
+        with safe_open(str(d / "model.safetensors"), "numpy") as f:
+            keys = list(f.keys())
         edit(d, min(k for k in keys if k.endswith(".scales"))[: -len(".scales")])
 
     return change
