@@ -259,6 +259,7 @@ class LanguageModel(nn.Module):
 
     # vMLX: decode positions it passes are offset + arange and need the request's delta added.
     decode_positions_add_request_rope_delta = True
+    sliding_cache_class = RotatingKVCache  # what a host-rebuilt first layer becomes (positions.resolve)
 
     def __init__(
         self,
@@ -289,7 +290,7 @@ class LanguageModel(nn.Module):
 
     def make_cache(self) -> List[Any]:
         return [
-            RotatingKVCache(max_size=self.config.sliding_window, keep=0)
+            self.sliding_cache_class(max_size=self.config.sliding_window, keep=0)
             if layer.layer_type == "sliding_attention"
             else KVCache()
             for layer in self.model.layers

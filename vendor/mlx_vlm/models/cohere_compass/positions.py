@@ -199,9 +199,7 @@ def resolve(
     if not batched and type(first) is _PinRotatingKVCache and BatchRotatingKVCache is not None:
         # Rebuilt by a host as the pin's class (Rapid-MLX's restored prefix snapshot): the model's
         # subclass, same state, so a merge called on it keeps every row's delta.
-        ours = type(lm.make_cache()[0])
-        if issubclass(ours, _PinRotatingKVCache):
-            first.__class__ = ours
+        first.__class__ = lm.sliding_cache_class
     if batched:
         absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding"))
         # A copy: batch caches update ``offset`` in place in layer 0, and every later layer must
