@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+
 from mlx_vlm.models.cohere_compass import cohere_compass as _model
 from mlx_vlm.models.cohere_compass import config as _config
 from mlx_vlm.models.cohere_compass import language as _language
@@ -45,12 +46,19 @@ class Model(nn.Module):
         self.args = args
         self.model_type = args.model_type
         # Head built as the config says; sanitize settles it against the stored weights.
-        self.language_model = _language.LanguageModel(args.text_config, tie_word_embeddings=args.tie_word_embeddings)
+        self.language_model = _language.LanguageModel(
+            args.text_config, tie_word_embeddings=args.tie_word_embeddings
+        )
 
     def __call__(
-        self, inputs: mx.array, cache: Optional[List[Any]] = None, input_embeddings: Optional[mx.array] = None
+        self,
+        inputs: mx.array,
+        cache: Optional[List[Any]] = None,
+        input_embeddings: Optional[mx.array] = None,
     ):
-        return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+        return self.language_model(
+            inputs, inputs_embeds=input_embeddings, cache=cache
+        ).logits
 
     @property
     def layers(self):
@@ -60,7 +68,9 @@ class Model(nn.Module):
         # mlx-lm's own cache classes: its prompt cache, trimming and batching know them.
         window = self.args.text_config.sliding_window
         return [
-            RotatingKVCache(max_size=window, keep=0) if layer.layer_type == "sliding_attention" else KVCache()
+            RotatingKVCache(max_size=window, keep=0)
+            if layer.layer_type == "sliding_attention"
+            else KVCache()
             for layer in self.layers
         ]
 

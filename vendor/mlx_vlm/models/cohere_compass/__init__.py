@@ -8,7 +8,10 @@ from .cohere_compass import (
     split_image_features,
 )
 from .config import ModelConfig, TextConfig, VisionConfig
-from .processing_cohere_compass import CohereCompassImageProcessor, CohereCompassProcessor
+from .processing_cohere_compass import (
+    CohereCompassImageProcessor,
+    CohereCompassProcessor,
+)
 
 # compass-compat: no ``ImageProcessor`` export: mlx-vlm's loader would rebuild it from config.json
 # alone and drop preprocessor_config.json (pixel bounds, mean/std).

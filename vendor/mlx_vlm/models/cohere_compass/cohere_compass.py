@@ -47,11 +47,17 @@ class CompassEmbeddings:
     prompt_padding: Optional[mx.array] = None
 
     @classmethod
-    def of(cls, inputs_embeds: mx.array, mask: Optional[Any], **given: Any) -> "CompassEmbeddings":
+    def of(
+        cls, inputs_embeds: mx.array, mask: Optional[Any], **given: Any
+    ) -> "CompassEmbeddings":
         """The per-row fields filled in from the others."""
         B, L = inputs_embeds.shape[:2]
         padding = padding_rows(mask)
-        lead = np.zeros(B, np.int32) if padding is None else np.where(padding.any(axis=1), padding.argmax(axis=1), L)
+        lead = (
+            np.zeros(B, np.int32)
+            if padding is None
+            else np.where(padding.any(axis=1), padding.argmax(axis=1), L)
+        )
         has_positions = given.get("position_ids") is not None
         return cls(
             inputs_embeds=inputs_embeds,
@@ -66,7 +72,9 @@ class CompassEmbeddings:
 
 
 def merged_tokens_per_image(grid_thw, merge_size: int) -> List[int]:
-    return [t * (h // merge_size) * (w // merge_size) for t, h, w in grid_sequence(grid_thw)]
+    return [
+        t * (h // merge_size) * (w // merge_size) for t, h, w in grid_sequence(grid_thw)
+    ]
 
 
 class Model(nn.Module):
@@ -87,7 +95,9 @@ class Model(nn.Module):
     def layers(self):
         return self.language_model.model.layers
 
-    def encode_image(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None) -> mx.array:
+    def encode_image(
+        self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None
+    ) -> mx.array:
         """The vision tower's output for a host to cache and replay: ``[N, (1 + K) * D]``, a row per
         merged image token of all images (``pixel_values`` ``[patches, C*T*P*P]``, grids
         ``image_grid_thw`` ``[images, 3]``) in prompt order, the merger's features then the K
@@ -105,21 +115,31 @@ class Model(nn.Module):
         grid = mx.array(np.asarray(image_grid_thw, dtype=np.int32).reshape(-1, 3))
         dtype = self.vision_tower.patch_embed.proj.weight.dtype
         features, deepstack = self.vision_tower(pixel_values.astype(dtype), grid)
-        encoded = mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
-        FEATURE_SOURCES.mark(encoded, fingerprint=_pixel_fingerprint(pixel_values, image_grid_thw))
+        encoded = (
+            mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
+        )
+        FEATURE_SOURCES.mark(
+            encoded, fingerprint=_pixel_fingerprint(pixel_values, image_grid_thw)
+        )
         return encoded
 
-    def encode_video(self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None) -> mx.array:
+    def encode_video(
+        self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None
+    ) -> mx.array:
         """:meth:`encode_image` for videos: the same tower on ``pixel_values_videos`` and
         ``video_grid_thw`` (each temporal patch attends within itself), in the same array
         form. Pass it back as ``get_input_embeddings(..., cached_video_features=...)``."""
         return self.encode_image(pixel_values_videos, video_grid_thw)
 
-    def encode_images(self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs) -> mx.array:
+    def encode_images(
+        self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None, **kwargs
+    ) -> mx.array:
         """mlx-vlm 0.7.x's name for :meth:`encode_image` (grid passed as a keyword)."""
         return self.encode_image(pixel_values, image_grid_thw)
 
-    def _unpack_features(self, cached: CachedFeatures) -> Tuple[mx.array, List[mx.array], Optional[Any]]:
+    def _unpack_features(
+        self, cached: CachedFeatures
+    ) -> Tuple[mx.array, List[mx.array], Optional[Any]]:
         """(features [N, D], K deepstack [N, D], grid or None) from any accepted form."""
         D = self.config.text_config.hidden_size
         K = len(self.config.vision_config.deepstack_visual_indexes)
@@ -130,11 +150,19 @@ class Model(nn.Module):
                     "pass Model.encode_image's array instead"
                 )
             deep = cached[DEEPSTACK]
-            return cached[FEATURES], [deep[k] for k in range(deep.shape[0])], cached.get(GRID)
+            return (
+                cached[FEATURES],
+                [deep[k] for k in range(deep.shape[0])],
+                cached.get(GRID),
+            )
         if isinstance(cached, (list, tuple)):
             if not cached or not all(isinstance(part, mx.array) for part in cached):
-                raise ValueError("cached_image_features as a list must hold one or more mx.array from encode_image")
-            cached = mx.concatenate(list(cached), axis=0) if len(cached) > 1 else cached[0]
+                raise ValueError(
+                    "cached_image_features as a list must hold one or more mx.array from encode_image"
+                )
+            cached = (
+                mx.concatenate(list(cached), axis=0) if len(cached) > 1 else cached[0]
+            )
         if not isinstance(cached, mx.array):
             raise ValueError(
                 "cached_image_features must be the mx.array returned by Model.encode_image, "
@@ -168,13 +196,15 @@ class Model(nn.Module):
         ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, a list of
         them in prompt order, or the older dict form). Deepstack comes back dense, ``[B, L, K, D]``
         with zeros off the vision tokens, so hosts slice and left-pad it like the embeddings."""
-        pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = fit_training_batch(
-            input_ids,
-            pixel_values,
-            pixel_values_videos,
-            mm_token_type_ids,
-            mask,
-            [self.config.image_token_id, self.config.video_token_id],
+        pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = (
+            fit_training_batch(
+                input_ids,
+                pixel_values,
+                pixel_values_videos,
+                mm_token_type_ids,
+                mask,
+                [self.config.image_token_id, self.config.video_token_id],
+            )
         )
         if pixel_values is not None:
             cached_image_features = self._image_features_for(
@@ -189,9 +219,15 @@ class Model(nn.Module):
             IMAGE: (pixel_values, cached_image_features, image_grid_thw),
             VIDEO: (pixel_values_videos, cached_video_features, video_grid_thw),
         }
-        given = {kind: parts for kind, parts in given.items() if parts[0] is not None or parts[1] is not None}
+        given = {
+            kind: parts
+            for kind, parts in given.items()
+            if parts[0] is not None or parts[1] is not None
+        }
         if not given:
-            return self._text_embeddings(input_ids, embeds, mask, kwargs.get("rope_deltas"))
+            return self._text_embeddings(
+                input_ids, embeds, mask, kwargs.get("rope_deltas")
+            )
 
         ids = np.array(input_ids)
         if mm_token_type_ids is not None:
@@ -203,7 +239,9 @@ class Model(nn.Module):
         merged = embeds.reshape(B * L, D)
         K = len(self.config.vision_config.deepstack_visual_indexes)
         dense = mx.zeros((B * L, K, D), dtype=embeds.dtype) if K else None
-        visual = {kind: self._visual_features(kind, *parts) for kind, parts in given.items()}
+        visual = {
+            kind: self._visual_features(kind, *parts) for kind, parts in given.items()
+        }
         grids: Dict[int, Any] = {kind: parts[2] for kind, parts in visual.items()}
         if whole is not None:
             given_grids = {IMAGE: image_grid_thw, VIDEO: video_grid_thw, **grids}
@@ -237,7 +275,9 @@ class Model(nn.Module):
         # With the whole prompt's types (ids that are its last L tokens), every position follows
         # from those types and the grids (text advances by one): the cached part's ids are not needed.
         prefix, rope_types, rope_grids, rope_mask = (
-            (whole.prefix, whole.types, whole.grids, whole.mask) if whole is not None else (0, types, grids, mask)
+            (whole.prefix, whole.types, whole.grids, whole.mask)
+            if whole is not None
+            else (0, types, grids, mask)
         )
         position_ids, deltas = get_rope_index(
             rope_types,
@@ -253,12 +293,21 @@ class Model(nn.Module):
         if dense is not None:
             dense = dense.reshape(B, L, K, D)
         return self._with_positions(
-            merged.reshape(B, L, D), mx.array(position_ids), deltas, dense, mx.array(types != 0), mask, prefix
+            merged.reshape(B, L, D),
+            mx.array(position_ids),
+            deltas,
+            dense,
+            mx.array(types != 0),
+            mask,
+            prefix,
         )
 
     @staticmethod
     def _placeable(
-        whole: "WholePrompt", visual: Dict[int, Tuple], grids: Dict[int, Any], merge: int
+        whole: "WholePrompt",
+        visual: Dict[int, Tuple],
+        grids: Dict[int, Any],
+        merge: int,
     ) -> Optional["WholePrompt"]:
         """``whole`` with its grids when they and the features cover every picture and video
         of the whole prompt (so the suffix can be placed after the cached part), else None:
@@ -267,13 +316,18 @@ class Model(nn.Module):
             count = int(np.count_nonzero(whole.types == kind))
             if count == 0:
                 continue
-            if grids.get(kind) is None or sum(merged_tokens_per_image(grids[kind], merge)) != count:
+            if (
+                grids.get(kind) is None
+                or sum(merged_tokens_per_image(grids[kind], merge)) != count
+            ):
                 return None
             if kind in visual and visual[kind][0].shape[0] != count:
                 return None
         return WholePrompt(whole.types, whole.mask, whole.prefix, grids)
 
-    def _image_features_for(self, pixels, grid, cached, vision_cache, key) -> Optional[CachedFeatures]:
+    def _image_features_for(
+        self, pixels, grid, cached, vision_cache, key
+    ) -> Optional[CachedFeatures]:
         """Features to replay for these pixels, or None to run the tower.
 
         A replay this model encoded from other pixels (a cache keyed by file path whose file
@@ -294,13 +348,21 @@ class Model(nn.Module):
         return features
 
     def _visual_features(
-        self, kind: int, pixels: Optional[mx.array], cached: Optional[CachedFeatures], grid: Optional[Any]
+        self,
+        kind: int,
+        pixels: Optional[mx.array],
+        cached: Optional[CachedFeatures],
+        grid: Optional[Any],
     ) -> Tuple[mx.array, List[mx.array], Any]:
         """(features [N, D], K deepstack [N, D], grid) of one modality, from pixels or a replay."""
         if cached is None:
             if grid is None:
-                raise ValueError(f"{_GRIDS[kind]} must be provided with {_PIXELS[kind]}")
-            features, deepstack, _ = self._unpack_features(self.encode_image(pixels, grid))
+                raise ValueError(
+                    f"{_GRIDS[kind]} must be provided with {_PIXELS[kind]}"
+                )
+            features, deepstack, _ = self._unpack_features(
+                self.encode_image(pixels, grid)
+            )
             return features, deepstack, grid
         features, deepstack, encoded_grid = self._unpack_features(cached)
         if grid is None:
@@ -320,7 +382,9 @@ class Model(nn.Module):
                 )
         return features, deepstack, grid
 
-    def _with_positions(self, embeds, position_ids, deltas, deepstack, visual, mask, prefix=0) -> CompassEmbeddings:
+    def _with_positions(
+        self, embeds, position_ids, deltas, deepstack, visual, mask, prefix=0
+    ) -> CompassEmbeddings:
         """``prefix``: the cached tokens these positions follow (a prompt's suffix), else 0."""
         # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s
         # BatchGenerator) concatenate each key over the rows that have it, so a key only some
@@ -328,7 +392,9 @@ class Model(nn.Module):
         rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
         values = set(np.asarray(deltas).reshape(-1).tolist())
         # What the language model recognises when a host passes them back (positions.Issued).
-        self.language_model.issued.mark(rope_deltas, value=values.pop() if len(values) == 1 else None)
+        self.language_model.issued.mark(
+            rope_deltas, value=values.pop() if len(values) == 1 else None
+        )
         self.language_model.issued.mark(position_ids, prefix=prefix)
         # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
         self.language_model._position_ids = position_ids
@@ -342,26 +408,40 @@ class Model(nn.Module):
             visual_pos_masks=visual,
         )
 
-    def _text_embeddings(self, input_ids, embeds, mask, given_deltas=None) -> CompassEmbeddings:
+    def _text_embeddings(
+        self, input_ids, embeds, mask, given_deltas=None
+    ) -> CompassEmbeddings:
         """A text prompt: no positions (they follow the cache, as upstream's), a zero delta per row
         (batching hosts join each key over the rows that carry it), zero deepstack, no state left
         on the language model. A caller's ``rope_deltas`` comes back as given (mlx-vlm 0.6.x primes
         a trimmed prompt's suffix with the whole prompt's delta, then takes this output's)."""
         B, L, D = embeds.shape
         K = len(self.config.vision_config.deepstack_visual_indexes)
-        deepstack = mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D)) if K else None
+        deepstack = (
+            mx.broadcast_to(mx.zeros((1, 1, K, D), embeds.dtype), (B, L, K, D))
+            if K
+            else None
+        )
         visual = mx.zeros((B, L), dtype=mx.bool_)
         padding = padding_rows(mask)
         if padding is not None and not padding.all():
             # Left-padded rows of one fresh prompt batch: positions that skip the padding.
-            position_ids, deltas = get_rope_index(np.array(input_ids), None, -1, self._merge, attention_mask=padding)
-            return self._with_positions(embeds, mx.array(position_ids), deltas, deepstack, visual, mask)
+            position_ids, deltas = get_rope_index(
+                np.array(input_ids), None, -1, self._merge, attention_mask=padding
+            )
+            return self._with_positions(
+                embeds, mx.array(position_ids), deltas, deepstack, visual, mask
+            )
         rope_deltas = given_deltas
         if rope_deltas is None:
             rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
             self.language_model.issued.mark(rope_deltas, value=0, text=True)
         return CompassEmbeddings.of(
-            embeds, mask, rope_deltas=rope_deltas, deepstack_visual_embeds=deepstack, visual_pos_masks=visual
+            embeds,
+            mask,
+            rope_deltas=rope_deltas,
+            deepstack_visual_embeds=deepstack,
+            visual_pos_masks=visual,
         )
 
     @property
@@ -385,7 +465,9 @@ class Model(nn.Module):
                 "later for logits_processors (0.6 or later for the server's response_format)"
             )
         try:
-            emb = self.get_input_embeddings(input_ids, pixel_values, mask=mask, **kwargs)
+            emb = self.get_input_embeddings(
+                input_ids, pixel_values, mask=mask, **kwargs
+            )
         except ValueError as error:
             if "function transformations" not in str(error):
                 raise
@@ -431,7 +513,9 @@ class Model(nn.Module):
 _HEAD, _EMBED = "language_model.lm_head.", "language_model.model.embed_tokens."
 
 
-def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[str, Any]) -> bool:
+def settle_head(
+    language_model: nn.Module, config: ModelConfig, weights: Dict[str, Any]
+) -> bool:
     """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights`` (only
     they say whether ``lm_head`` is stored). Runs before mlx-vlm quantizes and loads, so a head
     added here is quantized like a stored one. Returns the decision (the built one when no head
@@ -454,7 +538,9 @@ def settle_head(language_model: nn.Module, config: ModelConfig, weights: Dict[st
         language_model.pop("lm_head", None)
     else:
         text = config.text_config
-        language_model.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        language_model.lm_head = nn.Linear(
+            text.hidden_size, text.vocab_size, bias=False
+        )
     language_model.tie_word_embeddings = config.tie_word_embeddings = tied
     return tied
 
@@ -476,7 +562,9 @@ class WholePrompt(NamedTuple):
         return order[:, self.prefix :][media[:, self.prefix :]]
 
 
-def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids):
+def fit_training_batch(
+    input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids
+):
     """Fit what mlx-vlm's trainer passes to its ids: the last id dropped, right padding or GRPO's
     completion appended, patches stacked ``[B, N, C]``, while ``mm_token_type_ids`` stays the
     processor's. Only those shapes are fitted (a dropped column must be text, added ids no
@@ -487,7 +575,9 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     if pixel_values is not None and pixel_values.ndim == 3:
         pixel_values = pixel_values.reshape(-1, pixel_values.shape[-1])
     if pixel_values_videos is not None and pixel_values_videos.ndim == 3:
-        pixel_values_videos = pixel_values_videos.reshape(-1, pixel_values_videos.shape[-1])
+        pixel_values_videos = pixel_values_videos.reshape(
+            -1, pixel_values_videos.shape[-1]
+        )
     B, L = input_ids.shape
     if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == L + 1:
         mask = mask[:, :L]
@@ -510,7 +600,11 @@ def fit_training_batch(input_ids, pixel_values, pixel_values_videos, mm_token_ty
     elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
         # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
         # suffix after the restored prefix and passes the whole prompt's types and mask.
-        whole_mask = np.asarray(mask) if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T else None
+        whole_mask = (
+            np.asarray(mask)
+            if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T
+            else None
+        )
         whole = WholePrompt(types, whole_mask, T - L)
         types = types[:, T - L :]
         if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
@@ -542,7 +636,11 @@ def _pixel_fingerprint(pixels: Any, grid: Any) -> str:
 def _encoded_from(features: Any, pixels: Any, grid: Any) -> Optional[bool]:
     """Whether this process encoded ``features`` from these pixels and grid (None: not known)."""
     known = FEATURE_SOURCES.info(features).get("fingerprint")
-    return None if known is None or grid is None else known == _pixel_fingerprint(pixels, grid)
+    return (
+        None
+        if known is None or grid is None
+        else known == _pixel_fingerprint(pixels, grid)
+    )
 
 
 # Which pixels each live encode_image result came from: hosts cache features by path, so a file
@@ -550,7 +648,9 @@ def _encoded_from(features: Any, pixels: Any, grid: Any) -> Optional[bool]:
 FEATURE_SOURCES = Issued()
 
 
-def split_image_features(features: mx.array, image_grid_thw: Any, merge_size: int = 2) -> List[mx.array]:
+def split_image_features(
+    features: mx.array, image_grid_thw: Any, merge_size: int = 2
+) -> List[mx.array]:
     """Split ``encode_image`` output into one array per image (prompt order)."""
     sizes = merged_tokens_per_image(image_grid_thw, merge_size)
     if sum(sizes) != features.shape[0]:

@@ -40,7 +40,9 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: List[int] = field(default_factory=lambda: [8, 16, 24])
     rope_parameters: Optional[Dict[str, Any]] = None
-    rope_theta: Optional[float] = None  # rope_parameters' rope_theta, else this key, else 10000
+    rope_theta: Optional[float] = (
+        None  # rope_parameters' rope_theta, else this key, else 10000
+    )
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "VisionConfig":
@@ -64,7 +66,9 @@ class VisionConfig:
             )
         bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
         if bad:
-            raise ValueError(f"vision_config.deepstack_visual_indexes {bad} lie outside the {self.depth} vision blocks")
+            raise ValueError(
+                f"vision_config.deepstack_visual_indexes {bad} lie outside the {self.depth} vision blocks"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -112,7 +116,9 @@ class TextConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"text_config.head_dim must be a positive even number, got {self.head_dim}")
+            raise ValueError(
+                f"text_config.head_dim must be a positive even number, got {self.head_dim}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"text_config.num_attention_heads ({self.num_attention_heads}) must be a "
@@ -128,7 +134,9 @@ class TextConfig:
             )
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if unknown:
-            raise ValueError(f"text_config.layer_types has unknown types {unknown}; expected only {list(LAYER_TYPES)}")
+            raise ValueError(
+                f"text_config.layer_types has unknown types {unknown}; expected only {list(LAYER_TYPES)}"
+            )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError(
                 "text_config.sliding_window must be a positive integer when layer_types contains sliding_attention"
@@ -182,7 +190,9 @@ class TextConfig:
             theta = self.rope_theta if self.rope_theta is not None else 10000.0
         section = tuple(entry.get("mrope_section") or DEFAULT_MROPE_SECTION)
         if len(section) != 3:
-            raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(section)}")
+            raise ValueError(
+                f"mrope_section must have 3 entries (t, h, w), got {list(section)}"
+            )
         return RopeSpec(theta=float(theta), mrope_section=section)
 
 
@@ -210,7 +220,10 @@ class ModelConfig:
                 f"config.json has model_type {params.get('model_type')!r}; this package "
                 "only runs 'cohere_compass' checkpoints"
             )
-        for key, klass in (("text_config", TextConfig), ("vision_config", VisionConfig)):
+        for key, klass in (
+            ("text_config", TextConfig),
+            ("vision_config", VisionConfig),
+        ):
             sub = params.get(key)
             if sub is None or isinstance(sub, dict):
                 params[key] = klass.from_dict(sub or {})
@@ -222,9 +235,13 @@ class ModelConfig:
         if self.declared_tie_word_embeddings is None:
             self.declared_tie_word_embeddings = self.tie_word_embeddings
         declared = self.declared_tie_word_embeddings
-        self.tie_word_embeddings = bool(self.text_config.tie_word_embeddings if declared is None else declared)
+        self.tie_word_embeddings = bool(
+            self.text_config.tie_word_embeddings if declared is None else declared
+        )
 
-    def head_tied(self, lm_head_stored: bool, same_as_embedding: bool = False) -> Optional[bool]:
+    def head_tied(
+        self, lm_head_stored: bool, same_as_embedding: bool = False
+    ) -> Optional[bool]:
         """Whether the output head is the token embedding, as transformers 5.24 loads the checkpoint
         (tests/test_tie_head.py): a stored ``lm_head`` is used (tied only when the top-level key is
         true and it equals the embedding); none stored ties when the top-level key is true; where
@@ -236,7 +253,11 @@ class ModelConfig:
         return True if self.text_config.tie_word_embeddings else None
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None and k != "declared_tie_word_embeddings"}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if v is not None and k != "declared_tie_word_embeddings"
+        }
 
 
 # Original (CohereLabs) prefixes -> this module tree's (the MLX conversions'); no mlx import here,

@@ -67,12 +67,18 @@ class PixelBounds(NamedTuple):
 
 
 def apply_pixel_keys(
-    edges: Dict[str, Any], values: Dict[str, Any], source: str, sources: Optional[Dict[str, str]] = None
+    edges: Dict[str, Any],
+    values: Dict[str, Any],
+    source: str,
+    sources: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Any]:
     """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys (None:
     absent; a `size` that is not an object is left to validation); ``sources`` (edge -> label) updated."""
     edges = dict(edges)
-    labels = [("size", edge, f"{source} size.{edge}") for edge in ("shortest_edge", "longest_edge")]
+    labels = [
+        ("size", edge, f"{source} size.{edge}")
+        for edge in ("shortest_edge", "longest_edge")
+    ]
     labels += [(key, edge, f"{source} {key}") for key, edge in _EDGE_OF.items()]
     for key, edge, label in labels:
         value = values.get(key)
@@ -89,7 +95,9 @@ def image_processor_settings(processor_config: Any, preprocessor_config: Any) ->
     """(settings dict, its file): processor_config.json's ``image_processor`` block if the key is
     there, else preprocessor_config.json."""
     if isinstance(processor_config, dict) and "image_processor" in processor_config:
-        return processor_config["image_processor"], "processor_config.json image_processor"
+        return processor_config[
+            "image_processor"
+        ], "processor_config.json image_processor"
     if preprocessor_config is not None:
         return preprocessor_config, "preprocessor_config.json"
     return {}, None
@@ -105,18 +113,30 @@ def resolve_pixel_bounds(
     """The two levels of pixel bounds, on already-read dicts (see :func:`read_pixel_bounds`)."""
 
     def given(values: Optional[dict], source: str) -> dict:
-        return {k: (v, source) for k, v in (values or {}).items() if k in PIXEL_BOUND_KEYS and v is not None}
+        return {
+            k: (v, source)
+            for k, v in (values or {}).items()
+            if k in PIXEL_BOUND_KEYS and v is not None
+        }
 
     file_values = image_config if isinstance(image_config, dict) else {}
     # Level 1: the settings file, from_pretrained kwargs over it. Level 2: tokenizer_config.json,
     # from_pretrained kwargs (transformers hands them to the tokenizer too), then the call.
-    level1 = {k: (file_values.get(k), image_config_file or "image processor") for k in PIXEL_BOUND_KEYS}
+    level1 = {
+        k: (file_values.get(k), image_config_file or "image processor")
+        for k in PIXEL_BOUND_KEYS
+    }
     level1.update(given(load_kwargs, "from_pretrained"))
-    defaults = {**given(tokenizer_config, "tokenizer_config.json"), **given(load_kwargs, "from_pretrained")}
+    defaults = {
+        **given(tokenizer_config, "tokenizer_config.json"),
+        **given(load_kwargs, "from_pretrained"),
+    }
     sources = {"shortest_edge": "default", "longest_edge": "default"}
     edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
     for level in (level1, {**defaults, **given(call_kwargs, "call")}):
-        for key in (k for k in PIXEL_BOUND_KEYS if k in level):  # key by key: each edge keeps its source
+        for key in (
+            k for k in PIXEL_BOUND_KEYS if k in level
+        ):  # key by key: each edge keeps its source
             value, source = level[key]
             edges = apply_pixel_keys(edges, {key: value}, source, sources)
     return PixelBounds(
@@ -130,11 +150,19 @@ def resolve_pixel_bounds(
     )
 
 
-def read_pixel_bounds(folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None) -> PixelBounds:
+def read_pixel_bounds(
+    folder, load_kwargs: Optional[dict] = None, call_kwargs: Optional[dict] = None
+) -> PixelBounds:
     """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
     folder = Path(folder)
     config, name = CohereCompassImageProcessor.settings_file(folder)
-    return resolve_pixel_bounds(config, name, read_json(folder / "tokenizer_config.json"), load_kwargs, call_kwargs)
+    return resolve_pixel_bounds(
+        config,
+        name,
+        read_json(folder / "tokenizer_config.json"),
+        load_kwargs,
+        call_kwargs,
+    )
 
 
 def smart_resize(
@@ -174,15 +202,28 @@ def smart_resize(
 
 def positive_int(name: str, value, kind: str = "image") -> int:
     """``value`` as an int, or ValueError naming ``name`` for the ``kind`` ("image", "video") processor."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"cohere_compass {kind} processor: `{name}` must be a positive integer, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value <= 0
+    ):
+        raise ValueError(
+            f"cohere_compass {kind} processor: `{name}` must be a positive integer, got {value!r}"
+        )
     return int(value)
 
 
 def checked_size(size: Dict[str, Any], kind: str = "image") -> Dict[str, int]:
     """``size``'s two edges (min / max pixels), positive and in order."""
-    alias = {"shortest_edge": " (min_pixels)", "longest_edge": " (max_pixels)"} if kind == "image" else {}
-    edges = {e: positive_int(f"size.{e}{alias.get(e, '')}", size[e], kind) for e in ("shortest_edge", "longest_edge")}
+    alias = (
+        {"shortest_edge": " (min_pixels)", "longest_edge": " (max_pixels)"}
+        if kind == "image"
+        else {}
+    )
+    edges = {
+        e: positive_int(f"size.{e}{alias.get(e, '')}", size[e], kind)
+        for e in ("shortest_edge", "longest_edge")
+    }
     if edges["shortest_edge"] > edges["longest_edge"]:
         raise ValueError(
             f"cohere_compass {kind} processor: `size.shortest_edge` ({edges['shortest_edge']}) exceeds "
@@ -193,16 +234,28 @@ def checked_size(size: Dict[str, Any], kind: str = "image") -> Dict[str, int]:
 
 def checked_values(rescale_factor, image_mean, image_std, kind: str = "image") -> tuple:
     """(rescale_factor, mean, std): a positive number, then 3 finite numbers each, std without a zero."""
-    if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real) or rescale_factor <= 0:
-        raise ValueError(f"cohere_compass {kind} processor: `rescale_factor` must be positive, got {rescale_factor!r}")
+    if (
+        isinstance(rescale_factor, bool)
+        or not isinstance(rescale_factor, numbers.Real)
+        or rescale_factor <= 0
+    ):
+        raise ValueError(
+            f"cohere_compass {kind} processor: `rescale_factor` must be positive, got {rescale_factor!r}"
+        )
     channels = []
     for name, value in (("image_mean", image_mean), ("image_std", image_std)):
         values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
-        if len(values) != 3 or not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
-            raise ValueError(f"cohere_compass {kind} processor: `{name}` must be 3 finite numbers, got {value!r}")
+        if len(values) != 3 or not all(
+            isinstance(v, numbers.Real) and math.isfinite(v) for v in values
+        ):
+            raise ValueError(
+                f"cohere_compass {kind} processor: `{name}` must be 3 finite numbers, got {value!r}"
+            )
         channels.append([float(v) for v in values])
     if 0.0 in channels[1]:
-        raise ValueError(f"cohere_compass {kind} processor: `image_std` has a zero: {channels[1]}")
+        raise ValueError(
+            f"cohere_compass {kind} processor: `image_std` has a zero: {channels[1]}"
+        )
     return float(rescale_factor), channels[0], channels[1]
 
 
@@ -225,7 +278,9 @@ def _open_file(path) -> Image.Image:
         with Image.open(path) as im:
             im.load()  # open() is lazy; truncation and decode errors surface here
             return ImageOps.exif_transpose(im)
-    except Exception as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
+    except (
+        Exception
+    ) as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
         raise ValueError(f"cannot read image file {os.fspath(path)!r}: {err}") from err
 
 
@@ -254,7 +309,12 @@ _TWO_PASS = {
 
 
 def convert_and_resize(
-    image: Image.Image, convert, size, resample, band_rows: int = _BAND_ROWS, min_pixels: int = _BANDED_MIN_PIXELS
+    image: Image.Image,
+    convert,
+    size,
+    resample,
+    band_rows: int = _BAND_ROWS,
+    min_pixels: int = _BANDED_MIN_PIXELS,
 ) -> Image.Image:
     """``convert(image).resize(size, resample)``, the same bytes, without converting a large image
     whole: converted and horizontally resized band by band (PIL's first pass treats rows alone)."""
@@ -278,13 +338,17 @@ def _channels_last(array: np.ndarray) -> np.ndarray:
     if array.ndim == 2:  # the reference rejects 2-D arrays; treat them as grayscale
         return array[..., None]
     if array.ndim != 3:
-        raise ValueError(f"image array must have 2 or 3 dimensions, got shape {array.shape}")
+        raise ValueError(
+            f"image array must have 2 or 3 dimensions, got shape {array.shape}"
+        )
     # Channel axis inferred like transformers: leading axis wins when both could be it.
     if array.shape[0] in (1, 3, 4):
         return np.moveaxis(array, 0, -1)
     if array.shape[-1] in (1, 3, 4):
         return array
-    raise ValueError(f"cannot tell the channel axis of an image array of shape {array.shape}")
+    raise ValueError(
+        f"cannot tell the channel axis of an image array of shape {array.shape}"
+    )
 
 
 def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
@@ -302,7 +366,9 @@ def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
         blended = alpha * array[..., :3] + (1 - alpha) * white
         array = (np.round(blended) if is_int else blended).astype(array.dtype)
     if array.shape[-1] != 3:
-        raise ValueError(f"expected an RGB image, got {array.shape[-1]} channel(s) with do_convert_rgb=False")
+        raise ValueError(
+            f"expected an RGB image, got {array.shape[-1]} channel(s) with do_convert_rgb=False"
+        )
     return array
 
 
@@ -314,13 +380,17 @@ def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
     if array.dtype != np.uint8:
         if np.allclose(array, array.astype(int)):
             if array.min() < 0 or array.max() > 255:
-                raise ValueError(f"image values must lie in [0, 255], got [{array.min()}, {array.max()}]")
+                raise ValueError(
+                    f"image values must lie in [0, 255], got [{array.min()}, {array.max()}]"
+                )
         elif array.min() >= 0 and array.max() <= 1:
             # The reference multiplies by 255 through float32 and truncates; so do we.
             array = (array.astype(np.float64) * 255).astype(np.float32)
             scaled = True
         else:
-            raise ValueError(f"float image values must lie in [0, 1] or [0, 255], got [{array.min()}, {array.max()}]")
+            raise ValueError(
+                f"float image values must lie in [0, 1] or [0, 255], got [{array.min()}, {array.max()}]"
+            )
         array = array.astype(np.uint8)
     return Image.fromarray(np.ascontiguousarray(array), mode="RGB"), scaled
 
@@ -329,15 +399,21 @@ def _source(image, do_convert_rgb: bool):
     """(PIL image, converter to RGB or None, whether values were scaled up from [0, 1])."""
     if isinstance(image, (str, os.PathLike)):
         if str(image).startswith(("http://", "https://")):
-            raise ValueError(f"image URLs are not fetched here; load the image first: {image}")
+            raise ValueError(
+                f"image URLs are not fetched here; load the image first: {image}"
+            )
         opened = _open_file(image)
         return opened, None if opened.mode == "RGB" else _plain_rgb, False
     if isinstance(image, Image.Image):
-        has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        has_alpha = (
+            "A" in image.getbands() or image.info.get("transparency") is not None
+        )
         if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
             return image, None, False
         if not do_convert_rgb:
-            raise ValueError(f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False")
+            raise ValueError(
+                f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False"
+            )
         return image, _composite_rgb if has_alpha else _plain_rgb, False
     if isinstance(image, np.ndarray):
         pil, scaled = _array_to_rgb_pil(image, do_convert_rgb)
@@ -351,21 +427,38 @@ def patchify(frames: np.ndarray, patch: int, merge: int, temporal: int) -> tuple
     """(T, C, H, W) frames, T a multiple of ``temporal`` -> (patch rows in merge-window order, grid [t, h, w])."""
     count, channels, height, width = frames.shape
     grid = [count // temporal, height // patch, width // patch]
-    blocks = frames.reshape(grid[0], temporal, channels, grid[1] // merge, merge, patch, grid[2] // merge, merge, patch)
+    blocks = frames.reshape(
+        grid[0],
+        temporal,
+        channels,
+        grid[1] // merge,
+        merge,
+        patch,
+        grid[2] // merge,
+        merge,
+        patch,
+    )
     # -> (t, block row, block col, row in block, col in block, channel, frame, y, x)
     blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return blocks.reshape(grid[0] * grid[1] * grid[2], channels * temporal * patch * patch), grid
+    return blocks.reshape(
+        grid[0] * grid[1] * grid[2], channels * temporal * patch * patch
+    ), grid
 
 
 def batch_feature(data: Dict[str, Any], return_tensors) -> BatchFeature:
     """``data`` as a ``BatchFeature``; ``return_tensors="mlx"`` gives ``mx.array`` on every pin."""
-    if return_tensors is None or str(getattr(return_tensors, "value", return_tensors)) != "mlx":
+    if (
+        return_tensors is None
+        or str(getattr(return_tensors, "value", return_tensors)) != "mlx"
+    ):
         return BatchFeature(data=data, tensor_type=return_tensors)
     import mlx.core as mx
 
     arrays = BatchFeature(data=data, tensor_type="np")
     # compass-compat: attention_mask stays numpy (mlx-vlm 0.6.3's server copies it on another thread).
-    return BatchFeature(data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()})
+    return BatchFeature(
+        data={k: v if k == "attention_mask" else mx.array(v) for k, v in arrays.items()}
+    )
 
 
 class Settings:
@@ -385,7 +478,9 @@ class Settings:
         elif path.is_dir():
             settings, _ = cls.settings_file(path)
         else:
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+            raise OSError(
+                f"{path} is not a local checkpoint folder (download it first)"
+            )
         return cls.from_dict(settings, **kwargs)
 
     def with_settings(self, overrides: Dict[str, Any]):
@@ -393,10 +488,16 @@ class Settings:
         overrides = {k: v for k, v in overrides.items() if v is not None}
         unknown = set(overrides) - set(self.keys)
         if unknown:
-            raise TypeError(f"unexpected {self.kind} processor argument(s): {sorted(unknown)}")
+            raise TypeError(
+                f"unexpected {self.kind} processor argument(s): {sorted(unknown)}"
+            )
         if not overrides:
             return self
-        settings = {k: getattr(self, k) for k in self.keys if k not in ("min_pixels", "max_pixels")}
+        settings = {
+            k: getattr(self, k)
+            for k in self.keys
+            if k not in ("min_pixels", "max_pixels")
+        }
         if "size" in overrides:
             settings["size"] = {**settings["size"], **dict(overrides.pop("size"))}
         return type(self)(**{**settings, **overrides})
@@ -434,17 +535,27 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         super().__init__(**kwargs)
         size = apply_pixel_keys(
             {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS},
-            {"size": dict(size) if size is not None else None, "min_pixels": min_pixels, "max_pixels": max_pixels},
+            {
+                "size": dict(size) if size is not None else None,
+                "min_pixels": min_pixels,
+                "max_pixels": max_pixels,
+            },
             "image processor",
         )
         self.size = checked_size(size)
         self.patch_size = positive_int("patch_size", patch_size)
         self.merge_size = positive_int("merge_size", merge_size)
-        self.temporal_patch_size = positive_int("temporal_patch_size", temporal_patch_size)
+        self.temporal_patch_size = positive_int(
+            "temporal_patch_size", temporal_patch_size
+        )
         if resample not in {int(r) for r in Image.Resampling}:
-            raise ValueError(f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}")
+            raise ValueError(
+                f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}"
+            )
         self.resample = int(resample)
-        self.rescale_factor, self.image_mean, self.image_std = checked_values(rescale_factor, image_mean, image_std)
+        self.rescale_factor, self.image_mean, self.image_std = checked_values(
+            rescale_factor, image_mean, image_std
+        )
         self.do_resize = bool(do_resize)
         self.do_rescale = bool(do_rescale)
         self.do_normalize = bool(do_normalize)
@@ -483,7 +594,8 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
     @staticmethod
     def settings_file(folder: Path) -> tuple:
         return image_processor_settings(
-            read_json(folder / "processor_config.json"), read_json(folder / "preprocessor_config.json")
+            read_json(folder / "processor_config.json"),
+            read_json(folder / "preprocessor_config.json"),
         )
 
     def resized_shape(self, height: int, width: int) -> tuple:
@@ -501,8 +613,16 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
             )
         return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
-    def get_number_of_image_patches(self, height: int, width: int, images_kwargs: Optional[dict] = None) -> int:
-        ip = self.with_settings({k: v for k, v in (images_kwargs or {}).items() if k in IMAGE_PROCESSOR_KEYS})
+    def get_number_of_image_patches(
+        self, height: int, width: int, images_kwargs: Optional[dict] = None
+    ) -> int:
+        ip = self.with_settings(
+            {
+                k: v
+                for k, v in (images_kwargs or {}).items()
+                if k in IMAGE_PROCESSOR_KEYS
+            }
+        )
         h, w = ip.resized_shape(height, width)
         return (h // ip.patch_size) * (w // ip.patch_size)
 
@@ -513,15 +633,23 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
     def _pixels(self, image) -> np.ndarray:
         """One image as normalized float32 (H, W, 3) at its target size."""
         scaled = False
-        if not self.do_resize and isinstance(image, np.ndarray) and image.dtype != np.uint8:
-            array = _rgb_array(image, self.do_convert_rgb)  # no PIL round trip, as in the reference
+        if (
+            not self.do_resize
+            and isinstance(image, np.ndarray)
+            and image.dtype != np.uint8
+        ):
+            array = _rgb_array(
+                image, self.do_convert_rgb
+            )  # no PIL round trip, as in the reference
             self.resized_shape(array.shape[0], array.shape[1])  # sides must already fit
         else:
             pil, convert, scaled = _source(image, self.do_convert_rgb)
             target_h, target_w = self.resized_shape(pil.height, pil.width)
             if self.do_resize:
                 # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
-                pil = convert_and_resize(pil, convert, (target_w, target_h), self.resample)
+                pil = convert_and_resize(
+                    pil, convert, (target_w, target_h), self.resample
+                )
             elif convert is not None:
                 pil = convert(pil)
             array = np.asarray(pil)
@@ -543,8 +671,12 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         for image in flatten_images(images):
             pixels = ip._pixels(image).transpose(2, 0, 1)
             # A still image is its own temporal_patch_size frames.
-            frames = np.broadcast_to(pixels[None], (ip.temporal_patch_size, *pixels.shape))
-            patches, grid = patchify(frames, ip.patch_size, ip.merge_size, ip.temporal_patch_size)
+            frames = np.broadcast_to(
+                pixels[None], (ip.temporal_patch_size, *pixels.shape)
+            )
+            patches, grid = patchify(
+                frames, ip.patch_size, ip.merge_size, ip.temporal_patch_size
+            )
             rows.append(patches)
             grids.append(grid)
         if not rows:

@@ -14,7 +14,14 @@ from ..base import LanguageModelOutput, scaled_dot_product_attention
 from ..cache import KVCache
 from ..cache import RotatingKVCache as _PinRotatingKVCache
 from .config import RopeSpec, TextConfig
-from .positions import BatchRotatingKVCache, Issued, Positions, is_batch_cache, resolve, whole_prompt_positions
+from .positions import (
+    BatchRotatingKVCache,
+    Issued,
+    Positions,
+    is_batch_cache,
+    resolve,
+    whole_prompt_positions,
+)
 from .speculative import refuse_speculative
 
 
@@ -91,7 +98,9 @@ class Attention(nn.Module):
         spec = config.rope_for(layer_type)
         # Full-attention layers carry no positional encoding at all.
         self.rotary = MultimodalRotary(spec, self.head_dim) if spec else None
-        self.window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.window = (
+            config.sliding_window if layer_type == "sliding_attention" else None
+        )
 
     def __call__(self, x, positions: Positions, masks: "MaskBuilder", cache=None):
         B, L, _ = x.shape
@@ -107,16 +116,24 @@ class Attention(nn.Module):
                 # compass-compat: mx.quantize's own message names no setting a user can change.
                 if "[quantize]" not in str(err) or not hasattr(cache, "group_size"):
                     raise
-                raise KVCacheQuantizationError(_kv_group_advice(self.head_dim, cache.group_size)) from err
+                raise KVCacheQuantizationError(
+                    _kv_group_advice(self.head_dim, cache.group_size)
+                ) from err
         # A quantized cache (generate's kv_bits) returns packed keys; it counts them itself.
-        mask = masks.get(L, k.shape[2] if isinstance(k, mx.array) else cache.offset, self.window)
+        mask = masks.get(
+            L, k.shape[2] if isinstance(k, mx.array) else cache.offset, self.window
+        )
         out = self.attend(q, k, v, mask, cache)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def attend(self, q: mx.array, k: Any, v: Any, mask: Any = None, cache: Any = None) -> mx.array:
+    def attend(
+        self, q: mx.array, k: Any, v: Any, mask: Any = None, cache: Any = None
+    ) -> mx.array:
         """Attention of q over the keys; packed keys of a quantized cache go to mlx-vlm's helper."""
         if isinstance(k, mx.array):
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            return mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask=mask
+            )
         return scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
 
 
@@ -132,9 +149,7 @@ def _kv_group_advice(head_dim: int, group_size: int) -> str:
     fits = [g for g in QUANTIZE_GROUPS if head_dim % g == 0]
     head = f"kv_group_size {group_size} cannot group this checkpoint's keys (head_dim {head_dim})"
     if fits:
-        return (
-            f"{head}: pass kv_group_size={fits[0]} (the server's --kv-group-size), or use kv_quant_scheme='turboquant'"
-        )
+        return f"{head}: pass kv_group_size={fits[0]} (the server's --kv-group-size), or use kv_quant_scheme='turboquant'"
     return (
         f"{head}: mx.quantize groups by {', '.join(map(str, QUANTIZE_GROUPS))}, none of which divides "
         f"{head_dim}, so uniform KV quantization cannot run on it; use kv_quant_scheme='turboquant' "
@@ -146,7 +161,11 @@ class MaskBuilder:
     """A forward's masks by (queries, keys, window). A 2-D padding mask (mlx-vlm 0.3.x passes the
     processor's) is only ANDed into the causal mask; batch caches make theirs (``per_window``)."""
 
-    def __init__(self, padding: Optional[mx.array], per_window: Optional[Dict[Optional[int], mx.array]] = None):
+    def __init__(
+        self,
+        padding: Optional[mx.array],
+        per_window: Optional[Dict[Optional[int], mx.array]] = None,
+    ):
         self.padding = padding
         self.per_window = per_window or {}
         self._cache: Dict[Tuple[int, int, Optional[int]], Optional[mx.array]] = {}
@@ -189,7 +208,9 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        y = mx.fast.layer_norm(x.astype(mx.float32), self.weight.astype(mx.float32), None, self.eps)
+        y = mx.fast.layer_norm(
+            x.astype(mx.float32), self.weight.astype(mx.float32), None, self.eps
+        )
         return y.astype(x.dtype)
 
 
@@ -247,7 +268,9 @@ class RotatingKVCache(_PinRotatingKVCache):
     if BatchRotatingKVCache is not None:
 
         @classmethod
-        def merge(cls, caches: Sequence[Any], prefix_lens: Optional[Sequence[int]] = None) -> Any:
+        def merge(
+            cls, caches: Sequence[Any], prefix_lens: Optional[Sequence[int]] = None
+        ) -> Any:
             # prefix_lens: mlx-vlm's prefix cache passes it to caches' own merge; rows are whole here.
             return BatchRotatingKVCache.merged(caches, RotatingKVCache)
 
@@ -259,7 +282,9 @@ class LanguageModel(nn.Module):
 
     # vMLX: decode positions it passes are offset + arange and need the request's delta added.
     decode_positions_add_request_rope_delta = True
-    sliding_cache_class = RotatingKVCache  # what a host-rebuilt first layer becomes (positions.resolve)
+    sliding_cache_class = (
+        RotatingKVCache  # what a host-rebuilt first layer becomes (positions.resolve)
+    )
 
     def __init__(
         self,
@@ -305,7 +330,9 @@ class LanguageModel(nn.Module):
     ) -> Tuple[mx.array, mx.array]:
         """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a whole prompt (the
         Qwen-VL method mlx-vlm 0.7.x primes a trimmed prompt's suffix with); padding gets 0."""
-        return whole_prompt_positions(self, input_ids, image_grid_thw, video_grid_thw, attention_mask)
+        return whole_prompt_positions(
+            self, input_ids, image_grid_thw, video_grid_thw, attention_mask
+        )
 
     def __call__(
         self,
@@ -323,24 +350,43 @@ class LanguageModel(nn.Module):
         B, L = h.shape[:2]
         if cache is None:
             cache = [None] * len(self.model.layers)
-        positions, deepstack = resolve(self, cache, B, L, position_ids, rope_deltas, deepstack_visual_embeds, kwargs)
+        positions, deepstack = resolve(
+            self,
+            cache,
+            B,
+            L,
+            position_ids,
+            rope_deltas,
+            deepstack_visual_embeds,
+            kwargs,
+        )
         if is_batch_cache(cache[0]):
             per_window: Dict[Optional[int], mx.array] = {}
             for layer, c in zip(self.model.layers, cache):
                 window = layer.self_attn.window
                 if window not in per_window:
-                    per_window[window] = c.make_mask(L, window_size=window, return_array=True)
+                    per_window[window] = c.make_mask(
+                        L, window_size=window, return_array=True
+                    )
             masks = MaskBuilder(None, per_window)
         else:
-            padding = mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
+            padding = (
+                mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
+            )
             if padding is not None and not isinstance(padding, mx.array):
-                padding = mx.array(padding)  # the processor's numpy attention_mask (mlx-vlm 0.3.x)
+                padding = mx.array(
+                    padding
+                )  # the processor's numpy attention_mask (mlx-vlm 0.3.x)
             masks = MaskBuilder(padding)
         h = self.model(h, positions, masks, cache, deepstack)
         keep = kwargs.get("logits_to_keep") or 0
         if keep:
             h = h[:, -keep:]
-        logits = self.model.embed_tokens.as_linear(h) if self.tie_word_embeddings else self.lm_head(h)
+        logits = (
+            self.model.embed_tokens.as_linear(h)
+            if self.tie_word_embeddings
+            else self.lm_head(h)
+        )
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         return LanguageModelOutput(logits=logits)

@@ -85,7 +85,11 @@ def delta_rows(delta: Any) -> Optional[mx.array]:
         return None
     if isinstance(delta, (int, np.integer)):
         return mx.array([int(delta)], dtype=mx.int32)
-    return (delta if isinstance(delta, mx.array) else mx.array(np.asarray(delta))).reshape(-1).astype(mx.int32)
+    return (
+        (delta if isinstance(delta, mx.array) else mx.array(np.asarray(delta)))
+        .reshape(-1)
+        .astype(mx.int32)
+    )
 
 
 def _row_deltas(cache: Any) -> Optional[mx.array]:
@@ -117,19 +121,28 @@ class _KeepsRowDeltas:
         rows = _row_deltas(self)
         super().filter(batch_indices)  # type: ignore[misc]
         if rows is not None:
-            _keep_rows(self, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1))
+            _keep_rows(
+                self, rows[mx.array(batch_indices).astype(mx.int32)].reshape(-1, 1)
+            )
 
     def extend(self, other: Any) -> None:
         mine, theirs = _row_deltas(self), _row_deltas(other)
         super().extend(other)  # type: ignore[misc]
-        _keep_rows(self, None if mine is None or theirs is None else mx.concatenate([mine, theirs]).reshape(-1, 1))
+        _keep_rows(
+            self,
+            None
+            if mine is None or theirs is None
+            else mx.concatenate([mine, theirs]).reshape(-1, 1),
+        )
 
     def extract(self, idx: int) -> Any:
         rows = _row_deltas(self)
         single = super().extract(idx)  # type: ignore[misc]
         if rows is not None:
             if type(single) in self.request_class.__bases__:
-                single.__class__ = self.request_class  # same state; keeps merge (and to_quantized) ours
+                single.__class__ = (
+                    self.request_class
+                )  # same state; keeps merge (and to_quantized) ours
             _keep_rows(single, int(rows[idx].item()))
         return single
 
@@ -137,9 +150,15 @@ class _KeepsRowDeltas:
 # Where the pin batches rotating caches (mlx-lm's class before mlx-vlm 0.6), a merged batch keeps
 # each row's delta. Only layer 0 keeps it (a sliding layer in the published layout); full-attention
 # layers keep the pin's exact KVCache, which mlx-vlm's prefix cache matches by type.
-_PinBatchRotatingKVCache = getattr(sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None)
+_PinBatchRotatingKVCache = getattr(
+    sys.modules[_PinRotatingKVCache.__module__], "BatchRotatingKVCache", None
+)
 BatchRotatingKVCache = (
-    type("BatchRotatingKVCache", (_KeepsRowDeltas, _PinBatchRotatingKVCache), {"__module__": __name__})
+    type(
+        "BatchRotatingKVCache",
+        (_KeepsRowDeltas, _PinBatchRotatingKVCache),
+        {"__module__": __name__},
+    )
     if _PinBatchRotatingKVCache is not None and hasattr(_PinRotatingKVCache, "merge")
     else None
 )
@@ -190,21 +209,37 @@ class Positions:
 
 
 def resolve(
-    lm: Any, cache: List[Any], B: int, L: int, position_ids: Any, rope_deltas: Any, deepstack: Any, kwargs: Dict
+    lm: Any,
+    cache: List[Any],
+    B: int,
+    L: int,
+    position_ids: Any,
+    rope_deltas: Any,
+    deepstack: Any,
+    kwargs: Dict,
 ) -> Tuple[Positions, Any]:
     """The positions of this forward by the table above, and ``deepstack`` cut to its tokens;
     keeps the delta its tokens use with the cache and in ``lm._rope_deltas``."""
     first = cache[0]
     batched = is_batch_cache(first)
-    if not batched and type(first) is _PinRotatingKVCache and BatchRotatingKVCache is not None:
+    if (
+        not batched
+        and type(first) is _PinRotatingKVCache
+        and BatchRotatingKVCache is not None
+    ):
         # Rebuilt by a host as the pin's class (Rapid-MLX's restored prefix snapshot): the model's
         # subclass, same state, so a merge called on it keeps every row's delta.
         first.__class__ = lm.sliding_cache_class
     if batched:
-        absorb_prompt_padding(cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding"))
+        absorb_prompt_padding(
+            cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding")
+        )
         # A copy: batch caches update ``offset`` in place in layer 0, and every later layer must
         # still rotate from where this chunk starts.
-        offset, columns = mx.array(first.offset), getattr(first, "_offset", getattr(first, "_idx", 0))
+        offset, columns = (
+            mx.array(first.offset),
+            getattr(first, "_offset", getattr(first, "_idx", 0)),
+        )
     else:
         offset = columns = first.offset if first is not None else 0
     fresh = columns == 0
@@ -226,19 +261,31 @@ def resolve(
     if position_ids is not None:
         position_ids = unslice_positions(lm._position_ids, position_ids, B, L, columns)
         if not batched:
-            refuse_positions_after_another_prefix(lm.issued, position_ids, lm._position_ids, columns)
+            refuse_positions_after_another_prefix(
+                lm.issued, position_ids, lm._position_ids, columns
+            )
         if position_ids.shape[-1] != L:
             start = lm.issued.start(position_ids, columns)
             position_ids = position_ids[..., start : start + L]
         if position_ids.ndim == 2:
-            position_ids = mx.broadcast_to(position_ids[None], (3,) + tuple(position_ids.shape))
+            position_ids = mx.broadcast_to(
+                position_ids[None], (3,) + tuple(position_ids.shape)
+            )
         if position_ids.shape[1] != B:
-            position_ids = fill_text_rows(position_ids, B, L, offset, rope_deltas, kwargs)
+            position_ids = fill_text_rows(
+                position_ids, B, L, offset, rope_deltas, kwargs
+            )
 
     given = lm.issued.info(rope_deltas) if rope_deltas is not None else {}
-    if rope_deltas is not None and not isinstance(rope_deltas, (int, np.integer, mx.array)):
+    if rope_deltas is not None and not isinstance(
+        rope_deltas, (int, np.integer, mx.array)
+    ):
         rope_deltas = mx.array(rope_deltas)
-    holds = state is not None and state.delta is not None and (not set_back or _holds(state, columns))
+    holds = (
+        state is not None
+        and state.delta is not None
+        and (not set_back or _holds(state, columns))
+    )
     if given.get("text") and not fresh:
         # A text prompt's own zeros after a restored prefix (mlx-vlm 0.4.x merges them into its
         # kwargs): the suffix continues the cache's kept delta where it holds.
@@ -247,7 +294,11 @@ def resolve(
         # The delta decode steps continue from (per row): last position + 1 - tokens so far.
         # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
         last = position_ids.max(axis=(0, 2))
-        used = (last + 1 - (offset + L)).reshape(-1, 1) if rope_deltas is None else rope_deltas
+        used = (
+            (last + 1 - (offset + L)).reshape(-1, 1)
+            if rope_deltas is None
+            else rope_deltas
+        )
         _keep(lm, state, used, None if batched else columns + L)
         if L > 1 and not batched and state is not None:
             # Prefill only: a decoded token follows the delta, and no lazy chain grows per step.
@@ -256,7 +307,11 @@ def resolve(
 
     if rope_deltas is None and not fresh:
         rope_deltas = _delta_for(lm, state, B, holds, None if batched else columns)
-    used = rope_deltas if rope_deltas is not None else (0 if B == 1 else mx.zeros((B, 1), mx.int32))
+    used = (
+        rope_deltas
+        if rope_deltas is not None
+        else (0 if B == 1 else mx.zeros((B, 1), mx.int32))
+    )
     _keep(lm, state, used, None if batched else columns + L)
     return _offset_by(lm, offset, rope_deltas, B), deepstack
 
@@ -271,28 +326,38 @@ def _offset_by(lm: Any, offset: Any, delta: Any, B: int) -> Positions:
         return Positions(offset=offset + int(delta))
     rows = delta_rows(delta)
     if rows.size not in (1, B):
-        raise ValueError(f"rope_deltas has {rows.size} rows but the batch has {B}; pass one delta per row")
+        raise ValueError(
+            f"rope_deltas has {rows.size} rows but the batch has {B}; pass one delta per row"
+        )
     # One offset per row: mx.fast.rope takes a [B] offset array.
     return Positions(offset=mx.broadcast_to(offset + rows, (B,)))
 
 
 def _holds(state: Kept, columns: int) -> bool:
     since = state.since
-    return since is None or int(since.item() if isinstance(since, mx.array) else since) <= columns
+    return (
+        since is None
+        or int(since.item() if isinstance(since, mx.array) else since) <= columns
+    )
 
 
 def _rows(delta: Any) -> int:
     return 1 if isinstance(delta, (int, np.integer)) else int(np.prod(delta.shape))
 
 
-def _delta_for(lm: Any, state: Optional[Kept], B: int, holds: bool, columns: Any) -> Optional[Any]:
+def _delta_for(
+    lm: Any, state: Optional[Kept], B: int, holds: bool, columns: Any
+) -> Optional[Any]:
     """The delta a continuing cache's tokens follow when none is given: none where the cache was
     set back before its kept delta holds (its text there follows the offset); else the kept one,
     or for a cache that kept none (a host rebuilt it) the module's, when its rows match and it is
     this request's (:func:`_module_delta_for`; ``columns`` None for a batch cache)."""
     if state is not None and state.delta is not None and not holds:
         return None
-    for delta in (state.delta if state is not None else None, _module_delta_for(lm, columns)):
+    for delta in (
+        state.delta if state is not None else None,
+        _module_delta_for(lm, columns),
+    ):
         if delta is not None and _rows(delta) == B:
             return delta
     return None
@@ -310,7 +375,13 @@ def _module_delta_for(lm: Any, columns: Any) -> Optional[Any]:
     if delta is None or columns is None or "published_until" not in info:
         return delta
     until = info["published_until"]
-    return delta if until is not None and isinstance(columns, (int, np.integer)) and int(columns) == until else None
+    return (
+        delta
+        if until is not None
+        and isinstance(columns, (int, np.integer))
+        and int(columns) == until
+        else None
+    )
 
 
 def _keep(lm: Any, state: Optional[Kept], delta: Any, until: Any) -> None:
@@ -318,7 +389,9 @@ def _keep(lm: Any, state: Optional[Kept], delta: Any, until: Any) -> None:
     the column where this forward ended (``until``; None for a batch cache or an offset we do
     not read)."""
     # Kept as an mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
-    published = mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
+    published = (
+        mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
+    )
     lm._rope_deltas = published
     until = int(until) if isinstance(until, (int, np.integer)) else None
     lm.issued.mark(published, **{**lm.issued.info(published), "published_until": until})
@@ -326,22 +399,34 @@ def _keep(lm: Any, state: Optional[Kept], delta: Any, until: Any) -> None:
         state.delta = delta
 
 
-def _past_last_vision_token(position_ids: mx.array, columns: int, L: int, before: Any) -> Any:
+def _past_last_vision_token(
+    position_ids: mx.array, columns: int, L: int, before: Any
+) -> Any:
     """The column past this chunk's last token whose position does not follow the final delta
     (a vision token), else where the delta held before (this chunk's start if unknown). Lazy."""
     rows = position_ids.max(axis=0)  # [B, L]
     steps = rows - mx.arange(L)[None]  # constant over the tokens that follow one delta
     off = steps != steps[:, -1:]
     past_last_off = mx.max(mx.where(off, mx.arange(1, L + 1)[None], 0))
-    return mx.where(past_last_off > 0, columns + past_last_off, columns if before is None else before)
+    return mx.where(
+        past_last_off > 0,
+        columns + past_last_off,
+        columns if before is None else before,
+    )
 
 
 def is_batch_cache(c: Any) -> bool:
     """mlx-lm / mlx-vlm batch caches: left-padded rows whose ``offset`` is a per-row array."""
-    return c is not None and isinstance(getattr(c, "offset", None), mx.array) and c.offset.ndim == 1
+    return (
+        c is not None
+        and isinstance(getattr(c, "offset", None), mx.array)
+        and c.offset.ndim == 1
+    )
 
 
-def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], state: Kept, columns: int, set_back: bool) -> None:
+def refuse_a_ring_cut_after_it_wrapped(
+    cache: List[Any], state: Kept, columns: int, set_back: bool
+) -> None:
     """Refuse a sliding-window cache set back to ``columns`` tokens after it held more than its
     window: its ring then holds the last tokens, not the first ``columns`` (mlx-vlm 0.4.4's
     ``PromptCacheState`` slices every cache to the reused prefix), and the answer would be wrong."""
@@ -355,7 +440,9 @@ def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], state: Kept, columns: i
         )
 
 
-def refuse_positions_after_another_prefix(issued: Issued, position_ids: mx.array, prompt: Any, columns: int) -> None:
+def refuse_positions_after_another_prefix(
+    issued: Issued, position_ids: mx.array, prompt: Any, columns: int
+) -> None:
     """Refuse positions from ``get_input_embeddings`` that do not follow the tokens the cache
     holds: a prompt's own positions (they count from its first token) on a cache that holds
     other tokens, or a suffix's positions placed after a prefix of another length."""
@@ -379,7 +466,9 @@ def refuse_positions_after_another_prefix(issued: Issued, position_ids: mx.array
     )
 
 
-def unslice_positions(prompt: Any, position_ids: mx.array, B: int, L: int, columns: int) -> mx.array:
+def unslice_positions(
+    prompt: Any, position_ids: mx.array, B: int, L: int, columns: int
+) -> mx.array:
     """``[3, B, L]`` positions back from a batch host that cut their first axis as a batch axis
     (mlx-vlm 0.4.4: ``[min(3, B), B, L]``; 0.6.3: ``[B, B, L]``, the temporal axis B times): the
     prompt's own array (``_position_ids``) where its temporal axis is the one given; another
@@ -401,7 +490,10 @@ def unslice_positions(prompt: Any, position_ids: mx.array, B: int, L: int, colum
                     return window
             else:  # B = 3: only the temporal axis three times over (0.6.3), where the axes differ
                 temporal = mx.broadcast_to(window[:1], window.shape)
-                if mx.array_equal(position_ids, temporal).item() and not mx.array_equal(window, temporal).item():
+                if (
+                    mx.array_equal(position_ids, temporal).item()
+                    and not mx.array_equal(window, temporal).item()
+                ):
                     return window
     if position_ids.shape[0] == 3:
         return position_ids
@@ -412,7 +504,9 @@ def unslice_positions(prompt: Any, position_ids: mx.array, B: int, L: int, colum
     )
 
 
-def fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, deltas: Any, kwargs: Dict) -> mx.array:
+def fill_text_rows(
+    position_ids: mx.array, B: int, L: int, offset: Any, deltas: Any, kwargs: Dict
+) -> mx.array:
     """``[3, B, L]`` positions from a batch whose picture rows alone brought them (mlx-vlm 0.6+
     joins each key over the rows that carry it): which rows, from ``position_rows`` (every row
     carries it, uncut per chunk), else ``visual_pos_masks``; text rows take offset + own delta."""
@@ -440,7 +534,9 @@ def fill_text_rows(position_ids: mx.array, B: int, L: int, offset: Any, deltas: 
     return full
 
 
-def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int, prompt_padding: Any) -> None:
+def absorb_prompt_padding(
+    cache: List[Any], attention_mask: Any, B: int, L: int, prompt_padding: Any
+) -> None:
     """Declare to empty batch caches the left padding only the prompt's arrays show (mlx-vlm
     0.4.x-0.6.x ``batch_generate`` hands padded rows over as real tokens: unmasked, rows attend to
     it and decode positions run ahead), as mlx-lm's ``prepare(left_padding=)``: from
@@ -451,7 +547,10 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int,
         return  # padding can only be declared before the first tokens go in
     if prompt_padding is not None and int(np.size(prompt_padding)) == B:
         lead = np.asarray(prompt_padding).reshape(-1)
-    elif getattr(attention_mask, "ndim", 0) == 2 and tuple(attention_mask.shape) == (B, L):
+    elif getattr(attention_mask, "ndim", 0) == 2 and tuple(attention_mask.shape) == (
+        B,
+        L,
+    ):
         keep_mask = np.asarray(attention_mask).astype(bool)
         lead = np.where(keep_mask.any(axis=1), keep_mask.argmax(axis=1), L)
     else:
@@ -467,7 +566,9 @@ def absorb_prompt_padding(cache: List[Any], attention_mask: Any, B: int, L: int,
             c.offset = c.offset - mx.array(extra)
 
 
-def whole_prompt_positions(lm: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, mask: Any):
+def whole_prompt_positions(
+    lm: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, mask: Any
+):
     """``lm.get_rope_index``: a whole prompt's positions ``[3, B, L]`` (marked as counting from
     column 0) and deltas ``[B, 1]``."""
     for grid, token, name in (
@@ -475,7 +576,9 @@ def whole_prompt_positions(lm: Any, input_ids: Any, image_grid_thw: Any, video_g
         (video_grid_thw, lm.video_token_id, "video_token_id"),
     ):
         if grid is not None and token is None:
-            raise ValueError(f"get_rope_index needs {name}: build LanguageModel through Model")
+            raise ValueError(
+                f"get_rope_index needs {name}: build LanguageModel through Model"
+            )
     position_ids, deltas = get_rope_index(
         np.array(input_ids),
         image_grid_thw,
@@ -492,12 +595,19 @@ def whole_prompt_positions(lm: Any, input_ids: Any, image_grid_thw: Any, video_g
 
 def padding_rows(mask: Any) -> Optional[np.ndarray]:
     """A 2-D ``[B, L]`` attention mask as numpy (1 = token, 0 = padding), else None."""
-    return np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
+    return (
+        np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
+    )
 
 
 _NAMES = {
     IMAGE: ("image", "image", "image_grid_thw", "image(s)"),
-    VIDEO: ("video", "video (one block per temporal patch)", "video_grid_thw", "temporal patch(es)"),
+    VIDEO: (
+        "video",
+        "video (one block per temporal patch)",
+        "video_grid_thw",
+        "temporal patch(es)",
+    ),
 }
 
 
@@ -525,7 +635,9 @@ def get_rope_index(
             types[input_ids == video_token_id] = VIDEO
     videos = list(grid_sequence(video_grid_thw)) if video_grid_thw is not None else []
     runs = {
-        IMAGE: list(grid_sequence(image_grid_thw)) if image_grid_thw is not None else [],
+        IMAGE: list(grid_sequence(image_grid_thw))
+        if image_grid_thw is not None
+        else [],
         VIDEO: [(1, h, w) for t, h, w in videos for _ in range(t)],
     }
     taken = {IMAGE: 0, VIDEO: 0}
@@ -533,7 +645,11 @@ def get_rope_index(
     position_ids = np.zeros((3, B, L), dtype=np.int32)
     deltas = np.zeros((B,), dtype=np.int64)
     for b in range(B):
-        keep_mask = np.asarray(attention_mask[b]).astype(bool) if attention_mask is not None else np.ones(L, bool)
+        keep_mask = (
+            np.asarray(attention_mask[b]).astype(bool)
+            if attention_mask is not None
+            else np.ones(L, bool)
+        )
         row_types = types[b][keep_mask]
         pieces: List[np.ndarray] = []
         pos, i, n = 0, 0, len(row_types)
@@ -562,7 +678,9 @@ def get_rope_index(
                     f"{name.capitalize()} run {taken[kind] - 1} needs {count} tokens for grid "
                     f"({t}, {h}, {w}) but the prompt has a run of {int(np.sum(run == kind))}"
                 )
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            tt, hh, ww = np.meshgrid(
+                np.arange(t), np.arange(gh), np.arange(gw), indexing="ij"
+            )
             pieces.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos)
             pos, i = pos + max(gh, gw), i + count
         row = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int32)

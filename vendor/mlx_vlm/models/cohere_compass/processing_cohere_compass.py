@@ -67,7 +67,11 @@ def load_chat_template(path: Path, tokenizer=None):
     """Chat template of a checkpoint folder, newest layout first."""
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
-    for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+    for name in (
+        "chat_template.json",
+        "processor_config.json",
+        "tokenizer_config.json",
+    ):
         template = (read_json(path / name) or {}).get("chat_template")
         if template:
             return _named_templates(template)
@@ -78,7 +82,13 @@ VIDEO_TOKEN = "<|VIDEO_PAD|>"
 
 
 def _count_video_tokens(text) -> int:
-    texts = [text] if isinstance(text, str) else text if isinstance(text, (list, tuple)) else ()
+    texts = (
+        [text]
+        if isinstance(text, str)
+        else text
+        if isinstance(text, (list, tuple))
+        else ()
+    )
     return sum(t.count(VIDEO_TOKEN) for t in texts if isinstance(t, str))
 
 
@@ -94,7 +104,16 @@ def _media(conversation) -> tuple:
             if part.get("type") == "image" or "image" in part or "image_url" in part:
                 images.append(_image_source(part))
             elif part.get("type") == "video" or "video" in part:
-                videos.append(next((part[k] for k in ("video", "url", "path") if part.get(k) is not None), None))
+                videos.append(
+                    next(
+                        (
+                            part[k]
+                            for k in ("video", "url", "path")
+                            if part.get(k) is not None
+                        ),
+                        None,
+                    )
+                )
     return images, videos
 
 
@@ -112,7 +131,9 @@ def _video_call_defaults(values: dict) -> dict:
     """The video settings among ``values`` that transformers applies to every call (the
     instance-only ones, which it drops at call time, excepted)."""
     return {
-        k: v for k, v in values.items() if k in VIDEO_PROCESSOR_KEYS and k not in INSTANCE_ONLY_KEYS and v is not None
+        k: v
+        for k, v in values.items()
+        if k in VIDEO_PROCESSOR_KEYS and k not in INSTANCE_ONLY_KEYS and v is not None
     }
 
 
@@ -120,16 +141,30 @@ def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=False, local_files_only=True
+        )
     except (ValueError, KeyError, OSError) as err:
         # transformers 4.57 cannot resolve a tokenizer from an unknown model_type; tokenizer.json is enough.
         if not (path / "tokenizer.json").is_file():
             raise
-        logger.warning("AutoTokenizer failed for %s (%s); loading tokenizer.json directly", path, err)
-        extra = (read_json(path / "tokenizer_config.json") or {}).get("extra_special_tokens")
+        logger.warning(
+            "AutoTokenizer failed for %s (%s); loading tokenizer.json directly",
+            path,
+            err,
+        )
+        extra = (read_json(path / "tokenizer_config.json") or {}).get(
+            "extra_special_tokens"
+        )
         # A list (transformers 5's format) is what 4.57 calls additional_special_tokens.
-        legacy = {"extra_special_tokens": {}, "additional_special_tokens": extra} if isinstance(extra, list) else {}
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **legacy)
+        legacy = (
+            {"extra_special_tokens": {}, "additional_special_tokens": extra}
+            if isinstance(extra, list)
+            else {}
+        )
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            str(path), local_files_only=True, **legacy
+        )
     if (read_json(path / "tokenizer_config.json") or {}).get("tokenizer_class") in (
         "CohereTokenizer",
         "CohereTokenizerFast",
@@ -141,7 +176,9 @@ def _load_tokenizer(path: Path):
 def _as_transformers5_cohere(tokenizer) -> None:
     """Give ``tokenizer`` the pipeline transformers 5's ``CohereTokenizer`` builds whatever
     tokenizer.json says (NFC, digits split one by one, byte-level); older classes keep the file's."""
-    if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(tokenizer, "backend_tokenizer"):
+    if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(
+        tokenizer, "backend_tokenizer"
+    ):
         return  # transformers 5's own class, or a slow tokenizer
     from tokenizers import decoders, normalizers, pre_tokenizers
 
@@ -196,7 +233,9 @@ def without_double_bos(tokenizer):
                     "or drop the video part."
                 )
             text = strip(self, text, add_special_tokens)
-            return method(self, text, *args, add_special_tokens=add_special_tokens, **kwargs)
+            return method(
+                self, text, *args, add_special_tokens=add_special_tokens, **kwargs
+            )
 
         return call
 
@@ -213,7 +252,11 @@ def without_double_bos(tokenizer):
 def _subclass(base: type, **attrs) -> type:
     """A subclass of ``base`` under its name with ``attrs``: swapped in as an instance's class, so
     every holder of the instance (and its copies) gets them."""
-    return type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return type(
+        base.__name__,
+        (base,),
+        {**attrs, "__module__": base.__module__, "__qualname__": base.__qualname__},
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +266,12 @@ def _skipping_class(base: type) -> type:
             return None
         return base.add_token(self, token, *args, **kwargs)
 
-    return _subclass(base, add_token=add_token, _compass_skips_padding_ids=True, _compass_original_class=base)
+    return _subclass(
+        base,
+        add_token=add_token,
+        _compass_skips_padding_ids=True,
+        _compass_original_class=base,
+    )
 
 
 def skipping_padding_ids(detokenizer, vocab_size: int):
@@ -235,7 +283,10 @@ def skipping_padding_ids(detokenizer, vocab_size: int):
     try:
         detokenizer._compass_vocab_size = int(vocab_size)
         detokenizer.__class__ = _skipping_class(type(detokenizer))
-    except (TypeError, AttributeError) as err:  # a C type or __slots__: cannot carry the guard
+    except (
+        TypeError,
+        AttributeError,
+    ) as err:  # a C type or __slots__: cannot carry the guard
         logger.warning(
             "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
             type(detokenizer).__name__,
@@ -270,16 +321,32 @@ class CohereCompassProcessor:
         # passes them; otherwise the tokenizer's init kwargs hold them, as in transformers' ProcessorMixin.
         init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
         if image_defaults is None:
-            image_defaults = {k: init_kwargs[k] for k in PIXEL_BOUND_KEYS if init_kwargs.get(k) is not None}
+            image_defaults = {
+                k: init_kwargs[k]
+                for k in PIXEL_BOUND_KEYS
+                if init_kwargs.get(k) is not None
+            }
         self.image_defaults = dict(image_defaults)
         if video_defaults is None:
             video_defaults = _video_call_defaults(init_kwargs)
         self.video_defaults = dict(video_defaults)
-        self.image_processor = image_processor if image_processor is not None else CohereCompassImageProcessor()
-        self.video_processor = video_processor if video_processor is not None else CohereCompassVideoProcessor()
+        self.image_processor = (
+            image_processor
+            if image_processor is not None
+            else CohereCompassImageProcessor()
+        )
+        self.video_processor = (
+            video_processor
+            if video_processor is not None
+            else CohereCompassVideoProcessor()
+        )
         self.tokenizer = without_double_bos(tokenizer)
         # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
-        self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        self.chat_template = (
+            chat_template
+            if chat_template is not None
+            else getattr(tokenizer, "chat_template", None)
+        )
         self.image_token_id = self._token_id(self.image_token, required=True)
         self.video_token_id = self._token_id(self.video_token)
         self.vision_start_token_id = self._token_id(self.vision_start_token)
@@ -301,25 +368,40 @@ class CohereCompassProcessor:
         values (a key both take, such as ``size``, goes to both, as in transformers)."""
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
-            raise OSError(f"{path} is not a local checkpoint folder (download it first)")
+            raise OSError(
+                f"{path} is not a local checkpoint folder (download it first)"
+            )
         video_overrides = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
         overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         for key in video_overrides:
             kwargs.pop(key, None)
         tokenizer = _load_tokenizer(path)
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
-        image_processor = CohereCompassImageProcessor.from_dict(bounds.image_config, **overrides)
-        if bounds.call_defaults:  # what a call without kwargs uses, so num_image_tokens agrees
+        image_processor = CohereCompassImageProcessor.from_dict(
+            bounds.image_config, **overrides
+        )
+        if (
+            bounds.call_defaults
+        ):  # what a call without kwargs uses, so num_image_tokens agrees
             image_processor = image_processor.with_settings(bounds.call_defaults)
-        video_processor = CohereCompassVideoProcessor.from_pretrained(path, **video_overrides)
+        video_processor = CohereCompassVideoProcessor.from_pretrained(
+            path, **video_overrides
+        )
         # transformers hands from_pretrained kwargs to the tokenizer too, so they are call defaults as well.
         video_defaults = {
             **_video_call_defaults(read_json(path / "tokenizer_config.json") or {}),
             **_video_call_defaults(video_overrides),
         }
-        chat_template = kwargs.pop("chat_template", None) or load_chat_template(path, tokenizer)
-        if getattr(tokenizer, "chat_template", None) is None and chat_template is not None:
-            tokenizer.chat_template = chat_template  # for callers that template via the tokenizer
+        chat_template = kwargs.pop("chat_template", None) or load_chat_template(
+            path, tokenizer
+        )
+        if (
+            getattr(tokenizer, "chat_template", None) is None
+            and chat_template is not None
+        ):
+            tokenizer.chat_template = (
+                chat_template  # for callers that template via the tokenizer
+            )
         return cls(
             image_processor=image_processor,
             tokenizer=tokenizer,
@@ -337,7 +419,9 @@ class CohereCompassProcessor:
         # Its own file: the image processor's file may carry image bounds the video must not take.
         self.video_processor.save_pretrained(str(path))
         if isinstance(self.chat_template, str):
-            (path / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+            (path / "chat_template.jinja").write_text(
+                self.chat_template, encoding="utf-8"
+            )
         return [str(path)]
 
     @property
@@ -375,24 +459,42 @@ class CohereCompassProcessor:
         frames per second to take; a list, one per video: the rate of frames already sampled) or
         ``num_frames``; image and video settings may be passed as keywords."""
         if text is None and images is None and videos is None:
-            raise ValueError("CohereCompassProcessor needs text, images, videos or a mix")
+            raise ValueError(
+                "CohereCompassProcessor needs text, images, videos or a mix"
+            )
         image_kwargs = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         video_kwargs = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
         for key in {*image_kwargs, *video_kwargs}:
             kwargs.pop(key)
-        image_kwargs = {**self.image_defaults, **{k: v for k, v in image_kwargs.items() if v is not None}}
+        image_kwargs = {
+            **self.image_defaults,
+            **{k: v for k, v in image_kwargs.items() if v is not None},
+        }
         video_kwargs = {
             **self.video_defaults,
             **{k: v for k, v in video_kwargs.items() if v is not None},
-            **{k: v for k, v in (("fps", fps), ("num_frames", num_frames)) if v is not None},
+            **{
+                k: v
+                for k, v in (("fps", fps), ("num_frames", num_frames))
+                if v is not None
+            },
         }
-        if "num_frames" in video_kwargs and fps is None and self.video_defaults.get("fps") == video_kwargs.get("fps"):
+        if (
+            "num_frames" in video_kwargs
+            and fps is None
+            and self.video_defaults.get("fps") == video_kwargs.get("fps")
+        ):
             video_kwargs.pop("fps", None)  # a call's num_frames beats an fps default
         if do_sample_frames is not None:
             video_kwargs["do_sample_frames"] = do_sample_frames
-        tokenizer_kwargs = {k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs}
+        tokenizer_kwargs = {
+            k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs
+        }
         if kwargs:
-            logger.warning("CohereCompassProcessor ignores unsupported argument(s): %s", sorted(kwargs))
+            logger.warning(
+                "CohereCompassProcessor ignores unsupported argument(s): %s",
+                sorted(kwargs),
+            )
 
         images = flatten_images(images) if images is not None else []
         videos = batched_videos(videos)
@@ -418,12 +520,19 @@ class CohereCompassProcessor:
         if images:
             image_inputs = dict(self.image_processor(images, **image_kwargs))
             merge = image_kwargs.get("merge_size") or self.image_processor.merge_size
-            counts = [int(np.prod(g)) // merge**2 for g in np.asarray(image_inputs["image_grid_thw"])]
+            counts = [
+                int(np.prod(g)) // merge**2
+                for g in np.asarray(image_inputs["image_grid_thw"])
+            ]
 
         video_inputs, blocks, video_token_count, settled = {}, [], 0, []
         if videos:
-            video_inputs, settled = self.video_processor.run_batched(videos, video_metadata, **video_kwargs)
-            blocks, video_token_count = self._video_blocks(video_inputs["video_grid_thw"], settled, video_kwargs)
+            video_inputs, settled = self.video_processor.run_batched(
+                videos, video_metadata, **video_kwargs
+            )
+            blocks, video_token_count = self._video_blocks(
+                video_inputs["video_grid_thw"], settled, video_kwargs
+            )
 
         data = {}
         if texts is not None:
@@ -432,10 +541,18 @@ class CohereCompassProcessor:
                 tokenizer_kwargs["padding_side"] = padding_side
             tokenizer_kwargs.setdefault("return_token_type_ids", False)
             encode = getattr(self.tokenizer, "_compass_encode_expanded", self.tokenizer)
-            encoded = encode(texts, padding=padding, add_special_tokens=add_special_tokens, **tokenizer_kwargs)
+            encoded = encode(
+                texts,
+                padding=padding,
+                add_special_tokens=add_special_tokens,
+                **tokenizer_kwargs,
+            )
             data.update(encoded)
             type_ids = [self._token_types(row) for row in encoded["input_ids"]]
-            for kind, code, expected in (("image", 1, sum(counts)), ("video", 2, video_token_count)):
+            for kind, code, expected in (
+                ("image", 1, sum(counts)),
+                ("video", 2, video_token_count),
+            ):
                 found = sum(int(np.sum(np.asarray(r) == code)) for r in type_ids)
                 if found != expected:
                     raise ValueError(
@@ -463,15 +580,25 @@ class CohereCompassProcessor:
                 warn_video_settings(NO_FPS_TIMESTAMP_WARNING)
                 rate = 24
             seconds = timestamps(sampled.frames_indices, rate, temporal)
-            block = self.vision_start_token + self.video_token * per_patch + self.vision_end_token
-            blocks.append("".join(f"<{t:.1f} seconds>" + block for t in seconds[: int(grid[0])]))
+            block = (
+                self.vision_start_token
+                + self.video_token * per_patch
+                + self.vision_end_token
+            )
+            blocks.append(
+                "".join(f"<{t:.1f} seconds>" + block for t in seconds[: int(grid[0])])
+            )
             total += per_patch * int(grid[0])
         return blocks, total
 
-    def _expand(self, texts: List[str], counts: List[int], blocks: Sequence[str] = ()) -> List[str]:
+    def _expand(
+        self, texts: List[str], counts: List[int], blocks: Sequence[str] = ()
+    ) -> List[str]:
         """Each placeholder, in order across the batch, becomes its image's tokens or its video's blocks."""
         images, videos = iter(counts), iter(blocks)
-        pattern = re.compile(re.escape(self.image_token) + "|" + re.escape(self.video_token))
+        pattern = re.compile(
+            re.escape(self.image_token) + "|" + re.escape(self.video_token)
+        )
 
         def replace(match):
             if match.group(0) == self.image_token:
@@ -488,7 +615,9 @@ class CohereCompassProcessor:
             types[ids == self.video_token_id] = 2
         return types.tolist()
 
-    def apply_chat_template(self, conversation, chat_template=None, tokenize: bool = False, **kwargs):
+    def apply_chat_template(
+        self, conversation, chat_template=None, tokenize: bool = False, **kwargs
+    ):
         """Render with this processor's template through the tokenizer. With ``tokenize=True``
         the text goes through this processor, with the images and videos found in the messages
         (a video part's ``video`` / ``url`` / ``path``: decoded frames; paths are not decoded
@@ -498,15 +627,23 @@ class CohereCompassProcessor:
         call_keys = {"video_metadata", *VIDEO_PROCESSOR_KEYS, *IMAGE_PROCESSOR_KEYS}
         processor_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in call_keys}
         if not tokenize:
-            return self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tokenize=False, **kwargs
+            )
         if batch:
-            raise ValueError("tokenize=True takes one conversation (a list of messages), not a batch")
+            raise ValueError(
+                "tokenize=True takes one conversation (a list of messages), not a batch"
+            )
         return_dict = kwargs.pop("return_dict", False)
         return_tensors = kwargs.pop("return_tensors", None)
-        text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+        text = self.tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, **kwargs
+        )
         images, videos = _media(conversation)
         if any(image is None for image in images):
-            raise ValueError("an image part carries no image; render with tokenize=False and call the processor")
+            raise ValueError(
+                "an image part carries no image; render with tokenize=False and call the processor"
+            )
         if any(v is None for v in videos):
             raise FrameContainerError(
                 "a video part carries no frames; put them in its 'video' key, or render with tokenize=False and "
@@ -526,12 +663,16 @@ class CohereCompassProcessor:
     @property
     def detokenizer(self):
         if "_detokenizer" not in self.__dict__:  # unset, as before the property existed
-            raise AttributeError("CohereCompassProcessor has no detokenizer (mlx-vlm's load_processor sets one)")
+            raise AttributeError(
+                "CohereCompassProcessor has no detokenizer (mlx-vlm's load_processor sets one)"
+            )
         return self.__dict__["_detokenizer"]
 
     @detokenizer.setter
     def detokenizer(self, detokenizer):
-        self.__dict__["_detokenizer"] = skipping_padding_ids(detokenizer, len(self.tokenizer))
+        self.__dict__["_detokenizer"] = skipping_padding_ids(
+            detokenizer, len(self.tokenizer)
+        )
 
     def batch_decode(self, *args, **kwargs):
         return self.tokenizer.batch_decode(*args, **kwargs)

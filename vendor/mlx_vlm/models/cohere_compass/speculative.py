@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 # The language model's keywords that only a speculative round loop passes.
-SPECULATIVE_KEYWORDS = ("capture_layer_ids", "return_hidden", "return_shared_kv", "speculative_verify")
+SPECULATIVE_KEYWORDS = (
+    "capture_layer_ids",
+    "return_hidden",
+    "return_shared_kv",
+    "speculative_verify",
+)
 
 
 class SpeculativeDecodingUnsupported(ValueError):
@@ -19,7 +24,11 @@ class SpeculativeDecodingUnsupported(ValueError):
 
 def refuse_speculative(kwargs: Mapping[str, Any]) -> None:
     """Raise :class:`SpeculativeDecodingUnsupported` when ``kwargs`` hold a drafter's request."""
-    asked = [key for key in SPECULATIVE_KEYWORDS if kwargs.get(key) is not None and kwargs.get(key) is not False]
+    asked = [
+        key
+        for key in SPECULATIVE_KEYWORDS
+        if kwargs.get(key) is not None and kwargs.get(key) is not False
+    ]
     if asked:
         raise SpeculativeDecodingUnsupported(
             "cohere_compass does not support speculative decoding (draft_kind dflash, eagle3 or mtp): "

@@ -11,7 +11,9 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-_BLOCK = 16  # output pixels per matrix product: the band of inputs they read stays small
+_BLOCK = (
+    16  # output pixels per matrix product: the band of inputs they read stays small
+)
 
 
 def _cubic(x: float) -> float:
@@ -25,7 +27,9 @@ def _cubic(x: float) -> float:
 
 
 class _AxisWeights(NamedTuple):
-    bands: Tuple[Tuple[int, int, int, int, np.ndarray], ...]  # (out start, out stop, in start, in stop, weights)
+    bands: Tuple[
+        Tuple[int, int, int, int, np.ndarray], ...
+    ]  # (out start, out stop, in start, in stop, weights)
     precision: int
 
 
@@ -55,7 +59,9 @@ def _axis_weights(n_in: int, n_out: int) -> _AxisWeights:
     unit = 1 << precision
     matrix = np.zeros((n_in, n_out))
     for i, (lo, w) in enumerate(rows):
-        matrix[lo : lo + len(w), i] = [int(-0.5 + v * unit) if v < 0 else int(0.5 + v * unit) for v in w]
+        matrix[lo : lo + len(w), i] = [
+            int(-0.5 + v * unit) if v < 0 else int(0.5 + v * unit) for v in w
+        ]
     bands = []
     for a in range(0, n_out, _BLOCK):
         b = min(a + _BLOCK, n_out)
@@ -104,7 +110,9 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
         x = frames[start : start + step].astype(np.float64)
         n = x.shape[0]
         if in_w != width:
-            x = _resize_last_axis(x.reshape(n * channels * in_h, in_w), width).reshape(n, channels, in_h, width)
+            x = _resize_last_axis(x.reshape(n * channels * in_h, in_w), width).reshape(
+                n, channels, in_h, width
+            )
         if in_h != height:
             x = _resize_rows(x, height)
         out[start : start + n] = x

@@ -114,7 +114,9 @@ def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
     folder = Path(folder)
     processor_config = read_json(folder / "processor_config.json")
     if isinstance(processor_config, dict) and "video_processor" in processor_config:
-        return dict(processor_config["video_processor"]), "processor_config.json video_processor"
+        return dict(
+            processor_config["video_processor"]
+        ), "processor_config.json video_processor"
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         config = read_json(folder / name)
         if config is not None:
@@ -123,7 +125,13 @@ def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
 
 
 def smart_resize_video(
-    num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+    num_frames: int,
+    height: int,
+    width: int,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
 ) -> Tuple[int, int]:
     """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels."""
     if num_frames < temporal_factor:
@@ -135,7 +143,15 @@ def smart_resize_video(
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     return smart_resize(
-        height, width, factor, min_pixels, max_pixels, num_frames, temporal_factor, "video frame", FrameSizeError
+        height,
+        width,
+        factor,
+        min_pixels,
+        max_pixels,
+        num_frames,
+        temporal_factor,
+        "video frame",
+        FrameSizeError,
     )
 
 
@@ -149,13 +165,17 @@ class _Frames:
                 f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
-        if isinstance(video, Image.Image) or (hasattr(video, "shape") and len(video.shape) == 3):
+        if isinstance(video, Image.Image) or (
+            hasattr(video, "shape") and len(video.shape) == 3
+        ):
             video = [video]  # one frame
         is_list = isinstance(video, (list, tuple))
         if is_list:
             self.frames, shape = self._checked_list(list(video))
         else:
-            self.frames = video if isinstance(video, np.ndarray) else _as_array(video, position)
+            self.frames = (
+                video if isinstance(video, np.ndarray) else _as_array(video, position)
+            )
             if self.frames.ndim != 4:
                 raise FrameContainerError(
                     f"video {position} is an array of shape {self.frames.shape}; pass (frames, height, width, 3) or "
@@ -163,7 +183,9 @@ class _Frames:
                 )
             _check_dtype(self.frames.dtype, position)
             if self.frames.shape[0] == 0:
-                raise EmptyVideoError(f"video {position} has no frames; pass at least 2")
+                raise EmptyVideoError(
+                    f"video {position} has no frames; pass at least 2"
+                )
             shape = self.frames.shape[1:]
         # The reference's rule: channels first when the first axis could be channels (in a list, if
         # the last one cannot).
@@ -178,22 +200,32 @@ class _Frames:
     def _checked_list(self, frames: list) -> Tuple[list, tuple]:
         """(frames, the shape of one): RGB PIL images or (H, W, 3) uint8 arrays, of one kind and size."""
         if not frames:
-            raise EmptyVideoError(f"video {self.position} has no frames; pass at least 2")
+            raise EmptyVideoError(
+                f"video {self.position} has no frames; pass at least 2"
+            )
         pil = isinstance(frames[0], Image.Image)
         shape = None
         for i, frame in enumerate(frames):
             where = f"video {self.position}: frame {i}"
             if isinstance(frame, Image.Image) != pil:
                 kinds = "PIL images" if pil else "arrays"
-                raise FrameContainerError(f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame")
+                raise FrameContainerError(
+                    f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame"
+                )
             if pil and frame.mode != "RGB":
                 raise FrameContainerError(
                     f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
                 )
             if not pil:
-                frames[i] = frame = frame if isinstance(frame, np.ndarray) else _as_array(frame, self.position)
+                frames[i] = frame = (
+                    frame
+                    if isinstance(frame, np.ndarray)
+                    else _as_array(frame, self.position)
+                )
                 if frame.ndim != 3:
-                    raise FrameContainerError(f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames")
+                    raise FrameContainerError(
+                        f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames"
+                    )
                 _check_dtype(frame.dtype, self.position)
             this = (frame.height, frame.width, 3) if pil else frame.shape
             if shape is not None and this != shape:
@@ -215,7 +247,9 @@ class _Frames:
             frames = self.frames[np.asarray(indices, dtype=np.intp)]
         else:
             frames = np.stack([np.asarray(self.frames[i]) for i in indices])
-        return np.ascontiguousarray(frames if self.channels_first else frames.transpose(0, 3, 1, 2))
+        return np.ascontiguousarray(
+            frames if self.channels_first else frames.transpose(0, 3, 1, 2)
+        )
 
 
 def _as_array(value: Any, position: int) -> np.ndarray:
@@ -241,36 +275,59 @@ def _check_dtype(dtype, position: int) -> None:
 
 
 def _field(metadata: Any, name: str):
-    return metadata.get(name) if isinstance(metadata, dict) else getattr(metadata, name, None)
+    return (
+        metadata.get(name)
+        if isinstance(metadata, dict)
+        else getattr(metadata, name, None)
+    )
 
 
 def _rate(name: str, value) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not value > 0
+        or not math.isfinite(value)
+    ):
         error = VideoMetadataError if name.startswith("metadata") else ValueError
-        raise error(f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}")
+        raise error(
+            f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}"
+        )
     return value
 
 
 class SampledVideo(NamedTuple):
     """What sampling settled for one video."""
 
-    positions: List[int]  # which of the frames passed are used, in order (repeats allowed)
-    frames_indices: List[int]  # their positions in the source clip: timestamps are frames_indices / fps
-    fps: Optional[float]  # the source's frame rate; None: unknown (timestamps assume 24 and warn)
+    positions: List[
+        int
+    ]  # which of the frames passed are used, in order (repeats allowed)
+    frames_indices: List[
+        int
+    ]  # their positions in the source clip: timestamps are frames_indices / fps
+    fps: Optional[
+        float
+    ]  # the source's frame rate; None: unknown (timestamps assume 24 and warn)
     total_num_frames: int  # frames in the source clip
 
 
-def timestamps(frames_indices: Sequence[int], fps: float, temporal_patch_size: int = 2) -> List[float]:
+def timestamps(
+    frames_indices: Sequence[int], fps: float, temporal_patch_size: int = 2
+) -> List[float]:
     """Seconds of each temporal patch: the mean time of its first and last frame (indices
     padded by repeating the last, as the frames are), ``index / fps`` each."""
     indices = [int(i) for i in frames_indices]
     if len(indices) % temporal_patch_size:
-        indices.extend(indices[-1] for _ in range(temporal_patch_size - len(indices) % temporal_patch_size))
+        indices.extend(
+            indices[-1]
+            for _ in range(temporal_patch_size - len(indices) % temporal_patch_size)
+        )
     seconds = [i / fps for i in indices]
     return [
-        (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)
+        (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+        for i in range(0, len(seconds), temporal_patch_size)
     ]
 
 
@@ -315,7 +372,11 @@ class CohereCompassVideoProcessor(Settings):
         **kwargs,
     ):
         # Settings files carry other keys (class names, image-only keys): ignored, as the reference does.
-        size = {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})} if size is not None else DEFAULT_SIZE
+        size = (
+            {**DEFAULT_SIZE, **(dict(size) if isinstance(size, dict) else {})}
+            if size is not None
+            else DEFAULT_SIZE
+        )
         self.size = checked_size(size, "video")
         if int(resample) != BICUBIC:
             raise ValueError(
@@ -330,22 +391,45 @@ class CohereCompassVideoProcessor(Settings):
         )
         self.do_convert_rgb = bool(do_convert_rgb)
         self.patch_size = positive_int("patch_size", patch_size, "video")
-        self.temporal_patch_size = positive_int("temporal_patch_size", temporal_patch_size, "video")
-        self.merge_size = positive_int("merge_size", kwargs.pop("spatial_merge_size", merge_size), "video")
+        self.temporal_patch_size = positive_int(
+            "temporal_patch_size", temporal_patch_size, "video"
+        )
+        self.merge_size = positive_int(
+            "merge_size", kwargs.pop("spatial_merge_size", merge_size), "video"
+        )
         self.min_frames = positive_int("min_frames", min_frames, "video")
         self.max_frames = positive_int("max_frames", max_frames, "video")
         self.do_sample_frames = bool(do_sample_frames)
         self.fps = _rate("fps", fps)
-        self.num_frames = None if num_frames is None else positive_int("num_frames", num_frames, "video")
-        self.cap_pixels_per_frame = None if cap_pixels_per_frame is None else bool(cap_pixels_per_frame)
-        self.max_video_tokens = positive_int("max_video_tokens", max_video_tokens, "video")
+        self.num_frames = (
+            None
+            if num_frames is None
+            else positive_int("num_frames", num_frames, "video")
+        )
+        self.cap_pixels_per_frame = (
+            None if cap_pixels_per_frame is None else bool(cap_pixels_per_frame)
+        )
+        self.max_video_tokens = positive_int(
+            "max_video_tokens", max_video_tokens, "video"
+        )
         self.return_metadata = bool(return_metadata)
 
     @classmethod
-    def from_dict(cls, settings: Dict[str, Any], **kwargs) -> "CohereCompassVideoProcessor":
+    def from_dict(
+        cls, settings: Dict[str, Any], **kwargs
+    ) -> "CohereCompassVideoProcessor":
         """From a settings dict; ``kwargs`` that are settings override it (as transformers' from_dict)."""
-        merged = {**settings, **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS}}
-        return cls(**{k: v for k, v in merged.items() if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"})
+        merged = {
+            **settings,
+            **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS},
+        }
+        return cls(
+            **{
+                k: v
+                for k, v in merged.items()
+                if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"
+            }
+        )
 
     settings_file = staticmethod(video_processor_settings)
 
@@ -368,7 +452,11 @@ class CohereCompassVideoProcessor(Settings):
         return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
 
     def sample_frames(
-        self, metadata: Any, num_frames: Optional[int] = None, fps: Optional[float] = None, **kwargs
+        self,
+        metadata: Any,
+        num_frames: Optional[int] = None,
+        fps: Optional[float] = None,
+        **kwargs,
     ) -> np.ndarray:
         """Indices of the frames the reference samples from a clip described by ``metadata``
         (``total_num_frames`` and ``fps``; a dict, transformers' or mlx-vlm's ``VideoMetadata``).
@@ -377,7 +465,13 @@ class CohereCompassVideoProcessor(Settings):
         ``self.fps``. ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's; other
         kwargs are ignored, as in the reference.
         """
-        indices, _ = self._sample(metadata, num_frames, fps, kwargs.get("min_frames"), kwargs.get("max_frames"))
+        indices, _ = self._sample(
+            metadata,
+            num_frames,
+            fps,
+            kwargs.get("min_frames"),
+            kwargs.get("max_frames"),
+        )
         return indices
 
     def _sample(
@@ -386,16 +480,36 @@ class CohereCompassVideoProcessor(Settings):
         """(indices, the source fps the timestamps use: the metadata's, 24 if it had none and fps
         sampling assumed it, None if unknown)."""
         if fps is not None and num_frames is not None:
-            raise ValueError("`num_frames` and `fps` are mutually exclusive arguments, please use only one!")
+            raise ValueError(
+                "`num_frames` and `fps` are mutually exclusive arguments, please use only one!"
+            )
         total = _field(metadata, "total_num_frames")
-        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
-            raise VideoMetadataError(f"video metadata needs total_num_frames, a positive integer; got {total!r}")
+        if (
+            isinstance(total, bool)
+            or not isinstance(total, (int, np.integer))
+            or total < 1
+        ):
+            raise VideoMetadataError(
+                f"video metadata needs total_num_frames, a positive integer; got {total!r}"
+            )
         total = int(total)
         source_fps = _rate("metadata fps", _field(metadata, "fps"))
-        min_frames = self.min_frames if min_frames is None else positive_int("min_frames", min_frames, "video")
-        max_frames = self.max_frames if max_frames is None else positive_int("max_frames", max_frames, "video")
+        min_frames = (
+            self.min_frames
+            if min_frames is None
+            else positive_int("min_frames", min_frames, "video")
+        )
+        max_frames = (
+            self.max_frames
+            if max_frames is None
+            else positive_int("max_frames", max_frames, "video")
+        )
         if num_frames is None and fps is None:
-            num_frames, fps = (self.num_frames, None) if self.num_frames is not None else (None, self.fps)
+            num_frames, fps = (
+                (self.num_frames, None)
+                if self.num_frames is not None
+                else (None, self.fps)
+            )
         if num_frames is None and fps is not None:
             fps = _rate("fps", fps)
             if source_fps is None:
@@ -409,13 +523,23 @@ class CohereCompassVideoProcessor(Settings):
             count = positive_int("num_frames", num_frames, "video")
         return np.linspace(0, total - 1, count).round().astype(int), source_fps
 
-    def _settle(self, video: "_Frames", metadata: Any, do_sample_frames: bool, fps, num_frames, limits) -> SampledVideo:
+    def _settle(
+        self,
+        video: "_Frames",
+        metadata: Any,
+        do_sample_frames: bool,
+        fps,
+        num_frames,
+        limits,
+    ) -> SampledVideo:
         """Which of ``video``'s frames to use, and where they sit in the source clip."""
         count = len(video)
         passed = list(range(count))
         if isinstance(fps, (list, tuple)) and metadata is None:
             # Frames a loader sampled itself, at this rate: never sampled again.
-            return SampledVideo(passed, passed, _rate("fps", fps[video.position]), count)
+            return SampledVideo(
+                passed, passed, _rate("fps", fps[video.position]), count
+            )
         if metadata is None:
             metadata = {"total_num_frames": count}
         total = _field(metadata, "total_num_frames")
@@ -450,12 +574,22 @@ class CohereCompassVideoProcessor(Settings):
         indices = indices.tolist()
         return SampledVideo(indices, indices, source_fps, int(total))
 
-    def resized_shape(self, num_frames: int, height: int, width: int) -> Tuple[int, int]:
+    def resized_shape(
+        self, num_frames: int, height: int, width: int
+    ) -> Tuple[int, int]:
         """(height, width) the frames of a ``num_frames``-frame video are resized to."""
         factor = self.patch_size * self.merge_size
         if not self.do_resize:
             if num_frames < self.temporal_patch_size:
-                smart_resize_video(num_frames, height, width, self.temporal_patch_size, factor, 1, 1 << 62)
+                smart_resize_video(
+                    num_frames,
+                    height,
+                    width,
+                    self.temporal_patch_size,
+                    factor,
+                    1,
+                    1 << 62,
+                )
             if height % factor or width % factor:
                 raise FrameSizeError(
                     f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
@@ -464,10 +598,19 @@ class CohereCompassVideoProcessor(Settings):
         max_pixels = self.size["longest_edge"]
         if self.cap_pixels_per_frame:
             frame_cap = self.max_video_tokens * factor * factor
-            per_frame = max(min(frame_cap, max_pixels // num_frames), int(self.size["shortest_edge"] * 1.05))
+            per_frame = max(
+                min(frame_cap, max_pixels // num_frames),
+                int(self.size["shortest_edge"] * 1.05),
+            )
             max_pixels = per_frame * num_frames
         return smart_resize_video(
-            num_frames, height, width, self.temporal_patch_size, factor, self.size["shortest_edge"], max_pixels
+            num_frames,
+            height,
+            width,
+            self.temporal_patch_size,
+            factor,
+            self.size["shortest_edge"],
+            max_pixels,
         )
 
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
@@ -476,15 +619,22 @@ class CohereCompassVideoProcessor(Settings):
         if self.do_rescale and self.do_normalize:
             # torch: mean/std tensors (float32) times 1/rescale_factor, then (x - mean) / std in float32.
             inverse = np.float32(1.0 / self.rescale_factor)
-            mean = (np.asarray(self.image_mean, np.float32) * inverse).astype(np.float32)
+            mean = (np.asarray(self.image_mean, np.float32) * inverse).astype(
+                np.float32
+            )
             std = (np.asarray(self.image_std, np.float32) * inverse).astype(np.float32)
         elif self.do_normalize:
-            mean, std = np.asarray(self.image_mean, np.float32), np.asarray(self.image_std, np.float32)
+            mean, std = (
+                np.asarray(self.image_mean, np.float32),
+                np.asarray(self.image_std, np.float32),
+            )
         else:
             return x * np.float32(self.rescale_factor) if self.do_rescale else x
         return (x - mean[:, None, None]) / std[:, None, None]
 
-    def _process_video(self, video: "_Frames", sampled: SampledVideo) -> Tuple[np.ndarray, List[int]]:
+    def _process_video(
+        self, video: "_Frames", sampled: SampledVideo
+    ) -> Tuple[np.ndarray, List[int]]:
         """(patches, grid) of one video's sampled frames, padded to whole temporal patches."""
         height, width = video.size()
         target = self.resized_shape(len(sampled.positions), height, width)
@@ -494,13 +644,17 @@ class CohereCompassVideoProcessor(Settings):
         pixels = self._normalized(frames)
         tp = self.temporal_patch_size
         if len(pixels) % tp:
-            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], tp - len(pixels) % tp, axis=0)])
+            pixels = np.concatenate(
+                [pixels, np.repeat(pixels[-1:], tp - len(pixels) % tp, axis=0)]
+            )
         return patchify(pixels, self.patch_size, self.merge_size, tp)
 
     def preprocess(self, videos, video_metadata=None, return_tensors=None, **overrides):
         """Process ``videos`` (one video or a list); returns a ``BatchFeature`` with
         ``pixel_values_videos`` and ``video_grid_thw`` (and ``video_metadata`` if asked)."""
-        data, settled = self.run_batched(batched_videos(videos), video_metadata, **overrides)
+        data, settled = self.run_batched(
+            batched_videos(videos), video_metadata, **overrides
+        )
         out = batch_feature(data, return_tensors)
         if overrides.get("return_metadata", self.return_metadata):
             out["video_metadata"] = [s._asdict() for s in settled]
@@ -523,13 +677,21 @@ class CohereCompassVideoProcessor(Settings):
             warn_video_settings(UNCAPPED_WARNING)
         do_sample = vp.do_sample_frames if do_sample is None else bool(do_sample)
         if isinstance(fps, (list, tuple)) and len(fps) != len(items):
-            raise VideoMetadataError(f"{len(fps)} fps values were passed for {len(items)} videos; pass one per video")
+            raise VideoMetadataError(
+                f"{len(fps)} fps values were passed for {len(items)} videos; pass one per video"
+            )
         metadata = batched_metadata(video_metadata, len(items))
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
-            if meta is None and isinstance(fps, (list, tuple)) and self.reread_decoded is not None:
+            if (
+                meta is None
+                and isinstance(fps, (list, tuple))
+                and self.reread_decoded is not None
+            ):
                 found = self.reread_decoded(video, vp, limits)
-                if found is not None:  # frames a loader decoded from a file: the reference's frames of it
+                if (
+                    found is not None
+                ):  # frames a loader decoded from a file: the reference's frames of it
                     video, meta = found
             frames = _Frames(video, position)
             sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
@@ -538,7 +700,9 @@ class CohereCompassVideoProcessor(Settings):
             grids.append(grid)
             settled.append(sampled)
         data = {
-            "pixel_values_videos": np.concatenate(rows, axis=0).astype(np.float32, copy=False),
+            "pixel_values_videos": np.concatenate(rows, axis=0).astype(
+                np.float32, copy=False
+            ),
             "video_grid_thw": np.asarray(grids, dtype=np.int64),
         }
         return data, settled
@@ -559,7 +723,9 @@ def batched_videos(videos) -> list:
         if not videos:
             return []
         first = videos[0]
-        if isinstance(first, Image.Image) or (hasattr(first, "shape") and len(first.shape) == 3):
+        if isinstance(first, Image.Image) or (
+            hasattr(first, "shape") and len(first.shape) == 3
+        ):
             return [list(videos)]
         return list(videos)
     return [videos]
@@ -571,7 +737,9 @@ def batched_metadata(video_metadata, count: int) -> list:
         return [None] * count
     if not isinstance(video_metadata, (list, tuple)):
         video_metadata = [video_metadata]
-    if video_metadata and isinstance(video_metadata[0], (list, tuple)):  # nested per prompt
+    if video_metadata and isinstance(
+        video_metadata[0], (list, tuple)
+    ):  # nested per prompt
         video_metadata = [m for group in video_metadata for m in group]
     if len(video_metadata) != count:
         raise VideoMetadataError(

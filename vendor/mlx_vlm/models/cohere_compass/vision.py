@@ -43,12 +43,21 @@ class _Layout:
                     f"grid_thw ({t}, {h}, {w}) must have t >= 1 and h, w divisible by spatial_merge_size {merge}"
                 )
             # Raster index of every token of one frame, in merge-window order.
-            raster = np.arange(h * w).reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
+            raster = (
+                np.arange(h * w)
+                .reshape(h // merge, merge, w // merge, merge)
+                .transpose(0, 2, 1, 3)
+                .reshape(-1)
+            )
             r, c = raster // w, raster % w
             r0, r1, fr = _axis_taps(r, h, side)
             c0, c1, fc = _axis_taps(c, w, side)
-            tap = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], -1)
-            wt = np.stack([(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], -1)
+            tap = np.stack(
+                [r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], -1
+            )
+            wt = np.stack(
+                [(1 - fr) * (1 - fc), (1 - fr) * fc, fr * (1 - fc), fr * fc], -1
+            )
             # Frames repeat the spatial tables and attend only within themselves.
             rows.append(np.tile(r, t))
             cols.append(np.tile(c, t))
@@ -89,7 +98,13 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        self.proj = nn.Conv3d(
+            config.in_channels,
+            config.hidden_size,
+            kernel_size=kernel,
+            stride=kernel,
+            bias=True,
+        )
 
     def __call__(self, pixel_values: mx.array) -> mx.array:
         # kernel == stride, so the conv is one matmul per patch. Reorder the weight from
@@ -144,8 +159,12 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 class MLP(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.linear_fc1 = nn.Linear(
+            config.hidden_size, config.intermediate_size, bias=True
+        )
+        self.linear_fc2 = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=True
+        )
         self.act = _block_activation(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -172,7 +191,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self._merged = config.hidden_size * config.spatial_merge_size**2
         self._norm_after_merge = norm_after_merge
-        self.norm = nn.LayerNorm(self._merged if norm_after_merge else config.hidden_size, eps=_LN_EPS)
+        self.norm = nn.LayerNorm(
+            self._merged if norm_after_merge else config.hidden_size, eps=_LN_EPS
+        )
         self.linear_fc1 = nn.Linear(self._merged, self._merged, bias=True)
         self.linear_fc2 = nn.Linear(self._merged, config.out_hidden_size, bias=True)
 
@@ -205,18 +226,27 @@ class VisionModel(nn.Module):
         self._merge = config.spatial_merge_size
         quarter = config.head_dim // 4
         # Row and column share these frequencies; not a parameter (absent from checkpoints).
-        self._inv_freq = 1.0 / (config.rope_theta ** (mx.arange(0, 2 * quarter, 2, dtype=mx.float32) / (2 * quarter)))
+        self._inv_freq = 1.0 / (
+            config.rope_theta
+            ** (mx.arange(0, 2 * quarter, 2, dtype=mx.float32) / (2 * quarter))
+        )
         # Same lookup as the reference: the k-th listed index uses merger k.
         indexes = list(config.deepstack_visual_indexes)
         self._deepstack_at = {i: indexes.index(i) for i in indexes}
 
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.pos_embed = nn.Embedding(
+            config.num_position_embeddings, config.hidden_size
+        )
         self.blocks = [VisionBlock(config) for _ in range(config.depth)]
         self.merger = PatchMerger(config, norm_after_merge=False)
-        self.deepstack_merger_list = [PatchMerger(config, norm_after_merge=True) for _ in indexes]
+        self.deepstack_merger_list = [
+            PatchMerger(config, norm_after_merge=True) for _ in indexes
+        ]
 
-    def __call__(self, pixel_values: mx.array, grid_thw) -> Tuple[mx.array, List[mx.array]]:
+    def __call__(
+        self, pixel_values: mx.array, grid_thw
+    ) -> Tuple[mx.array, List[mx.array]]:
         layout = _Layout(list(grid_sequence(grid_thw)), self._side, self._merge)
         if pixel_values.shape[0] != layout.num_patches:
             raise ValueError(
@@ -224,11 +254,17 @@ class VisionModel(nn.Module):
             )
         x = self.patch_embed(pixel_values)
         # Weighted sum in float32 (f32 weights promote), as the reference.
-        pos = self.pos_embed(mx.array(layout.taps)) * mx.array(layout.weights)[..., None]
+        pos = (
+            self.pos_embed(mx.array(layout.taps)) * mx.array(layout.weights)[..., None]
+        )
         x = x + pos.sum(axis=1).astype(x.dtype)
 
-        positions = mx.array(np.stack([layout.rows, layout.cols], -1).astype(np.float32))
-        angles = (positions[..., None] * self._inv_freq).reshape(layout.num_patches, 1, 1, -1)
+        positions = mx.array(
+            np.stack([layout.rows, layout.cols], -1).astype(np.float32)
+        )
+        angles = (positions[..., None] * self._inv_freq).reshape(
+            layout.num_patches, 1, 1, -1
+        )
         cos, sin = mx.cos(angles), mx.sin(angles)
 
         deepstack = []
@@ -240,7 +276,9 @@ class VisionModel(nn.Module):
         return self.merger(x), deepstack
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        out = {k: v for k, v in weights.items() if k.rsplit(".", 1)[-1] != "position_ids"}
+        out = {
+            k: v for k, v in weights.items() if k.rsplit(".", 1)[-1] != "position_ids"
+        }
         if _CONV_WEIGHT in out:
             out[_CONV_WEIGHT] = self._conv_weight_to_mlx(out[_CONV_WEIGHT])
         return out
