@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -94,6 +95,28 @@ def test_wheel_carries_every_package_file(wheel: Path):
     assert {"compass_data/toy_shapes/model.safetensors", "compass_compat/assets/demo.png"} <= files
     assert files <= names, sorted(files - names)
     assert not any(n.startswith(("scripts/", "tests/")) or "/checklist/" in n for n in names)
+
+
+# An absolute path: two or more components after a leading slash, or a Windows drive.
+ABSOLUTE_PATH = re.compile(r"""(?:^|[\s"'=(`])((?:/[\w.@+-]+){2,}/?|[A-Za-z]:\\\w)""")
+
+
+def test_wheel_data_files_name_no_path_of_the_building_machine(wheel: Path):
+    """Records that ship (verdicts' commands, the toy's provenance) keep paths relative to the checkout."""
+    found = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if name.endswith((".py", ".png", ".avi", ".safetensors")) or ".dist-info/" in name:
+                continue
+            text = archive.read(name).decode("utf-8")
+            hits = [m.group(1) for m in ABSOLUTE_PATH.finditer(text)]
+            if hits:
+                found[name] = hits[:3]
+    assert not found, found
+
+
+def test_the_absolute_path_check_finds_one():
+    assert [m.group(1) for m in ABSOLUTE_PATH.finditer('"--out /work/x/build" C:\\Users')] == ["/work/x/build", "C:\\U"]
 
 
 def test_wheel_version_is_the_package_version(wheel: Path):

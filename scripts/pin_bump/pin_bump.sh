@@ -52,7 +52,12 @@ py="${PYTHON:-python3}"
 SWEEP_TESTS=(tests/test_quant_modes.py tests/test_shim.py tests/test_generate.py tests/test_tie_head.py)
 version=""; recipe=""; tests=full; out="$root/benchmarks/pin-bump"; keep=0
 matrix_env="${PIN_BUMP_MATRIX_ENV:-0.6.12}"; user_constraints=()
-command_line="bash scripts/pin_bump/pin_bump.sh $*"  # as recorded with the verdicts
+# As recorded with the verdicts, which ship: absolute paths relative to the checkout.
+command_line="bash scripts/pin_bump/pin_bump.sh"
+for arg in "$@"; do
+  case "$arg" in /*) arg="$(realpath -m --relative-to="$root" "$arg")" ;; esac
+  command_line+=" $arg"
+done
 while [ $# -gt 0 ]; do
   case "$1" in
     -c|--constraint) user_constraints+=("$2"); shift 2 ;;

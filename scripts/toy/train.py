@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import platform
 import sys
@@ -52,6 +53,11 @@ from scripts._lib.toy_reference import MAX_NEW_TOKENS, Reference, decode, greedy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REFERENCE_FILE = ROOT / "tests" / "fixtures" / "toy_reference.json"
+
+
+def _portable(arg: str) -> str:
+    """A command-line argument as the record keeps it: the record ships, so no absolute paths."""
+    return os.path.relpath(arg, ROOT) if os.path.isabs(arg) else arg
 
 
 SEED = 0  # torch's initialisation and the order of question kinds
@@ -508,7 +514,7 @@ def train(
     toy.tiny.save_safetensors(weights_file, weights)
     this = {
         "stage": stage,
-        "command": " ".join(["scripts/toy/train.py"] + sys.argv[1:]),
+        "command": " ".join(["scripts/toy/train.py"] + [_portable(arg) for arg in sys.argv[1:]]),
         "data": {
             "recipe": "compass_data.shapes: pictures of 128-448 px a side (square half the time; one size per "
             "batch), 1-3 shapes of distinct kinds (circle, square, triangle, star) in 4 colours (shaded +-12), "
