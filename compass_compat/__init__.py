@@ -46,5 +46,5 @@ try:
     apply_patch()
 except CompassCompatError as error:
     if not _running_the_cli():
-        raise
+        raise error.with_traceback(None) from None  # its message says it all: no inner frames
     UNAVAILABLE = error

@@ -36,8 +36,8 @@ MLX_LM_ENV = "COMPASS_COMPAT_MLX_LM"
 MLX_LM_PACKAGE = f"mlx_lm.models.{MODEL_TYPE}"
 TAG = "__compass_compat__"
 MLX_BUILDS = (
-    "install an MLX build: pip install 'compass-compat[cpu]' on Linux without a GPU, "
-    "'compass-compat[cuda]' with CUDA 12 ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
+    "install an MLX build: on Linux without a GPU pip install 'compass-compat[cpu]' (from a checkout: "
+    "pip install '.[cpu]'), with CUDA 12 '[cuda]' instead ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
 )
 
 _TRUE = {"1", "true", "yes", "on"}

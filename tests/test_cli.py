@@ -167,6 +167,58 @@ def test_generate_prints_the_transformers_greedy_text(capsys, tiny_ckpt_original
     assert "a TOY" not in err  # an explicit --model is not labelled as the default
 
 
+@pytest.fixture(scope="module")
+def few_positions(tmp_path_factory) -> Path:
+    """The tiny checkpoint with 16 positions, so a sentence is a prompt past them."""
+    from compass_data.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("few") / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 16
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+LONG_PROMPT = "Where is the blue square? " * 20
+PAST_POSITIONS = re.compile(
+    r"cohere_compass: the prompt is (\d+) tokens, longer than this checkpoint's max_position_embeddings \(16\); "
+    r"the answer cannot be trusted"
+)
+
+
+@pytest.mark.parametrize("entry", ["compass_compat", "mlx_vlm.generate"])
+def test_a_prompt_past_the_positions_gets_one_warning_line(few_positions, tmp_path, entry):
+    """From the model package, so mlx-vlm's own CLI shows it too; the header shortens the prompt."""
+    env = {**cli_env(tmp_path), "COMPASS_COMPAT_AUTOPATCH": "1"}
+    command = ["generate"] if entry == "compass_compat" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", entry, *command, "--model", few_positions, "--max-tokens", "2", "--prompt", LONG_PROMPT],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "max_position_embeddings" in line]
+    assert len(warned) == 1 and PAST_POSITIONS.fullmatch(warned[0]) and int(PAST_POSITIONS.fullmatch(warned[0])[1]) > 16
+    if entry == "compass_compat":
+        shown = next(line for line in proc.stdout.splitlines() if line.startswith("Prompt: "))
+        assert len(shown) < 300 and f"[... {len(LONG_PROMPT) - 200:,} characters ...]" in shown, shown
+
+
+def test_a_prompt_within_the_positions_warns_nothing(tiny_ckpt_original, capsys, caplog):
+    code, _, err = main_in_process(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_ckpt_original),
+        "--no-image",
+        "--max-tokens",
+        "2",
+        "--prompt",
+        LONG_PROMPT,
+    )
+    assert code == 0, err
+    assert not [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+
+
 # -------------------------------------------------------------------------- convert
 
 
@@ -338,5 +390,8 @@ def test_without_a_loadable_mlx_help_and_info_run_and_the_rest_says_what_to_inst
     assert info.returncode == 1 and info.stdout.startswith("problem") and "compass-compat[cpu]" in info.stdout
     assert generate.returncode == 2 and generate.stderr.count("\n") == 1, generate.stderr
     assert "mlx cannot load here" in generate.stderr and "compass-compat[cpu]" in generate.stderr
-    # A library import is never silently unpatched: it raises, naming what to install.
+    # A library import is never silently unpatched: it raises one error, naming what to install
+    # from the package index and from a checkout, without the frames behind it.
     assert imported.returncode != 0 and "CompassCompatError: mlx cannot load here" in imported.stderr
+    assert "pip install 'compass-compat[cpu]'" in imported.stderr and "pip install '.[cpu]'" in imported.stderr
+    assert imported.stderr.count("Traceback") == 1 and imported.stderr.count('  File "') == 2, imported.stderr

@@ -19,6 +19,7 @@ DEFAULT_PROMPT = "Describe this picture."
 DEFAULT_VIDEO_PROMPT = "Describe this video."
 DEFAULT_MAX_TOKENS = 256
 RULE = "=" * 10  # frames the verbose output's sections
+SHOWN_PROMPT = 200  # characters of a long prompt the header echoes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -186,6 +187,14 @@ def _print_header(
     for path, at in zip(videos, times):
         shown = ", ".join(f"{t:.2f}" for t in at)
         print(f"Video: {path}: {len(at)} frames at [{shown}] s")
-    print(f"Prompt: {prompt}")
+    print(f"Prompt: {_shortened(prompt)}")
     print(f"Sampling: {sampling.describe_sampling(sampling.sampling_settings(config, given), seed)}")
     print(RULE, flush=True)
+
+
+def _shortened(prompt: str) -> str:
+    """The prompt as the header echoes it: a long one cut in the middle, its length said."""
+    if len(prompt) <= SHOWN_PROMPT:
+        return prompt
+    half = SHOWN_PROMPT // 2
+    return f"{prompt[:half]} [... {len(prompt) - 2 * half:,} characters ...] {prompt[-half:]}"

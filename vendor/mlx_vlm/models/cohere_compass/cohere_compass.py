@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -15,6 +16,8 @@ from .image_processing_cohere_compass import GRID_MEMO
 from .language import LanguageModel
 from .positions import IMAGE, VIDEO, Issued, get_rope_index, padding_rows
 from .vision import VisionModel
+
+logger = logging.getLogger(__name__)
 
 # Keys of the dict that encode_image returned before it returned one array; still accepted.
 FEATURES, DEEPSTACK, GRID = "image_features", "deepstack_features", "image_grid_thw"
@@ -196,6 +199,7 @@ class Model(nn.Module):
         ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, a list of
         them in prompt order, or the older dict form). Deepstack comes back dense, ``[B, L, K, D]``
         with zeros off the vision tokens, so hosts slice and left-pad it like the embeddings."""
+        self._warn_past_positions(input_ids)
         pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = (
             fit_training_batch(
                 input_ids,
@@ -301,6 +305,16 @@ class Model(nn.Module):
             mask,
             prefix,
         )
+
+    def _warn_past_positions(self, input_ids) -> None:
+        """One line when a prompt is longer than the checkpoint's positions: it still runs (as
+        the reference's does), but its answer is not one the model was trained to give."""
+        limit = self.config.text_config.max_position_embeddings
+        if input_ids is not None and input_ids.shape[-1] > limit:
+            logger.warning(
+                f"cohere_compass: the prompt is {input_ids.shape[-1]:,} tokens, longer than this "
+                f"checkpoint's max_position_embeddings ({limit:,}); the answer cannot be trusted"
+            )
 
     @staticmethod
     def _placeable(
