@@ -125,6 +125,21 @@ def test_cli_verbose_lists_the_frame_times(capsys, toy_ckpt, clip_files):
     assert f"Video: {path}: 5 frames at [{times}] s" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", [None, "--cap-pixels-per-frame", "--no-cap-pixels-per-frame"])
+def test_cli_video_warning_names_the_flags(capsys, toy_ckpt, clip_files, flag):
+    """Left unset, the reference's uncapped warning, in the words a command line takes; a flag silences it."""
+    path = clip_files[FILE_CASES["file_30fps_odd"]["videos"][0]["clip"]][0]
+    argv = ["generate", "--model", str(toy_ckpt), "--video", str(path), "--max-tokens", "1", "--no-verbose"]
+    assert cli.main(argv + ([flag] if flag else [])) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "pixel cap" in line]
+    if flag:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "Pass --cap-pixels-per-frame to adopt the capped behavior" in warned[0]
+        assert "or --no-cap-pixels-per-frame to keep the uncapped behavior" in warned[0]
+        assert "cap_pixels_per_frame=" not in warned[0] and "`False`" not in warned[0]
+
+
 def _stream_generate_takes_video() -> bool:
     from mlx_vlm import stream_generate
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Dict, List, Sequence, Tuple
 
-from .common import CliError, bounded
+from .common import CliError, bounded, log
 from .inputs import check_videos
 
 
@@ -96,14 +97,18 @@ def video_inputs(
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = processor(
-        text=[text],
-        images=[Image.open(i).convert("RGB") for i in images] or None,
-        videos=clips,
-        video_metadata=metadata,
-        do_sample_frames=False,
-        **({} if args.cap_pixels_per_frame is None else {"cap_pixels_per_frame": args.cap_pixels_per_frame}),
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = processor(
+            text=[text],
+            images=[Image.open(i).convert("RGB") for i in images] or None,
+            videos=clips,
+            video_metadata=metadata,
+            do_sample_frames=False,
+            **({} if args.cap_pixels_per_frame is None else {"cap_pixels_per_frame": args.cap_pixels_per_frame}),
+        )
+    for warning in caught:  # the processor's words name its Python keywords; here they are flags
+        log(f"warning: {_in_flags(str(warning.message))}")
     kwargs = {"input_ids": mx.array(np.asarray(out["input_ids"]))}
     if out.get("attention_mask") is not None:
         kwargs["mask"] = mx.array(np.asarray(out["attention_mask"]))
@@ -112,3 +117,16 @@ def video_inputs(
             kwargs[key] = mx.array(np.asarray(out[key]))
     times = [[int(i) / (m.fps or 24.0) for i in m.frames_indices] for m in metadata]
     return text, kwargs, times
+
+
+# The processor's keyword, as its warnings write it, and the flag that sets it here.
+KEYWORD_FLAGS = {
+    "`cap_pixels_per_frame=True`": "--cap-pixels-per-frame",
+    "or `False` to keep": "or --no-cap-pixels-per-frame to keep",
+}
+
+
+def _in_flags(message: str) -> str:
+    for keyword, flag in KEYWORD_FLAGS.items():
+        message = message.replace(keyword, flag)
+    return message
