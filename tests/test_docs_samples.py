@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
@@ -135,3 +138,58 @@ def test_every_script_the_docs_name_exists():
             if not (REPO / name).exists():
                 missing.add(f"{path.relative_to(REPO)}: {name}")
     assert not missing, sorted(missing)
+
+
+SETUP_ENV = REPO / ".venvs" / f"mlxvlm-{SAMPLE_PIN}"
+THE_TEST_COMMAND = "bash .ci/run"  # what is running this test
+
+
+def _readme_command_lines() -> List[str]:
+    """Every line of the README's bash blocks, in order; a block marked ``<!-- not run`` (it
+    installs into the reader's own environment) is left out."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    lines = []
+    for match in re.finditer(r"(<!-- not run[^\n]*-->\s*\n)?```bash\n(.*?)```", text, re.S):
+        if not match.group(1):
+            lines += [line for line in match.group(2).splitlines() if line.strip() and not line.startswith("#")]
+    return lines
+
+
+def test_the_readme_command_lines_are_the_ones_run_below():
+    lines = _readme_command_lines()
+    assert lines[0].startswith(f"bash scripts/env/build.sh {SAMPLE_PIN} && ") and lines[1] == THE_TEST_COMMAND
+    assert not [line for line in lines if re.search(r"\b(PATH|IMG|TEXT|DIR|FILE)\b", line)], "placeholders"
+    assert not [line for line in lines if re.match(r"python3? ", line)] or any(
+        line.startswith("source .venvs/") for line in lines
+    ), "a bare `python` line without the set-up's environment activated"
+
+
+@on_sample_pin
+@pytest.mark.skipif(
+    Path(sys.prefix).resolve() != SETUP_ENV.resolve(), reason=f"runs in the README's set-up environment {SETUP_ENV}"
+)
+def test_the_readme_command_lines_run_as_written_in_order(tmp_path):
+    """On a fresh home (the default checkpoint built anew), in one shell from the checkout, each
+    line as written; a server line runs in the background until it answers /health."""
+    script = ["set -e"]
+    for line in _readme_command_lines():
+        if line == THE_TEST_COMMAND:
+            continue
+        if "mlx_vlm.server" in line:
+            script += [
+                f"{line} > {tmp_path}/server.log 2>&1 &",
+                "server=$!",
+                "for i in $(seq 300); do curl -sf http://127.0.0.1:8080/health >/dev/null && break; sleep 1; done",
+                "curl -sf http://127.0.0.1:8080/health",
+                "kill $server; wait $server || true",
+            ]
+        else:
+            script.append(line)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPASS_COMPAT", "VIRTUAL_ENV"))}
+    env.update(HOME=str(tmp_path), HF_HUB_OFFLINE="1", PATH=os.environ.get("PATH", ""))
+    proc = subprocess.run(
+        ["bash", "-c", "\n".join(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count("A blue square and a yellow star.") >= 2, proc.stdout  # ours and mlx-vlm's CLI
+    assert "Two." in proc.stdout and "A blue square." in proc.stdout, proc.stdout
