@@ -189,6 +189,9 @@ PAST_POSITIONS = re.compile(
 @pytest.mark.parametrize("entry", ["compass_compat", "mlx_vlm.generate"])
 def test_a_prompt_past_the_positions_gets_one_warning_line(few_positions, tmp_path, entry):
     """From the model package, so mlx-vlm's own CLI shows it too; the header shortens the prompt."""
+    from tests.lib.vendored import vendored
+
+    vendored()  # the warning is our package's
     env = {**cli_env(tmp_path), "COMPASS_COMPAT_AUTOPATCH": "1"}
     command = ["generate"] if entry == "compass_compat" else []
     proc = subprocess.run(
