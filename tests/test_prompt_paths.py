@@ -20,7 +20,7 @@ chat_template.jinja (the reference), never literals. Three paths:
 Video: the template renders a video part; our processor renders it as the reference does and,
 given frames, expands it as transformers does (every rule against recorded fixtures:
 tests/test_video_processor.py). The token without frames (typed, or a video part whose frames
-never reach the processor) raises ``VideoCountMismatchError``, saying how to pass them.
+never reach the processor) raises ``VideoInputError``, saying how to pass them.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_processor_takes_video_on_every_way_in(loaded, reference, image):
         ids = processor.apply_chat_template(with_frames, add_generation_prompt=True, tokenize=True)
     assert np.asarray(ids).reshape(-1).tolist() == recorded["input_ids"].reshape(-1).tolist()
     # A file name is not decoded here: a named error says what to pass.
-    with pytest.raises(pc.FrameContainerError, match="Decode the file first"):
+    with pytest.raises(pc.VideoInputError, match="Decode the file first"):
         processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     typed = [{"role": "user", "content": f"look {VIDEO_TOKEN} here"}]  # the token as text renders as text
     assert processor.apply_chat_template(typed, add_generation_prompt=True) == reference(typed)
@@ -225,10 +225,10 @@ def test_processor_takes_video_on_every_way_in(loaded, reference, image):
         lambda: processor.tokenizer(rendered),
         lambda: processor.tokenizer.encode(rendered, add_special_tokens=False),
     ):
-        with pytest.raises(pc.VideoCountMismatchError, match=re.escape(VIDEO_TOKEN)):
+        with pytest.raises(pc.VideoInputError, match=re.escape(VIDEO_TOKEN)):
             call()
     # Frames with no token for them.
-    with pytest.raises(pc.VideoCountMismatchError, match="0 <.*but 1 video"):
+    with pytest.raises(pc.VideoInputError, match="0 <.*but 1 video"):
         processor(text=reference(CASES["chatbot_role"]), videos=[np.zeros((2, 32, 32, 3), np.uint8)])
 
 

@@ -426,29 +426,28 @@ GOOD = make_clip(4, 64, 64, 1)
 
 
 @pytest.mark.parametrize(
-    "videos,text,error,match",
+    "videos,text,match",
     [
-        ([GOOD, GOOD], None, "VideoCountMismatchError", "1 <|VIDEO_PAD|> placeholder(s) .* but 2 video"),
-        ([GOOD], "<BOS_TOKEN>" + VIDEO_PART * 2, "VideoCountMismatchError", "2 <|VIDEO_PAD|> .* but 1 video"),
-        (None, "<BOS_TOKEN>" + VIDEO_PART, "VideoCountMismatchError", "but 0 video"),
-        ([GOOD[:0]], None, "EmptyVideoError", "no frames"),
-        ([[]], None, "EmptyVideoError", "no frames"),
-        ([[GOOD[0], make_clip(1, 32, 64, 2)[0]]], None, "FrameSizeError", "same size"),
+        ([GOOD, GOOD], None, "1 <|VIDEO_PAD|> placeholder(s) .* but 2 video"),
+        ([GOOD], "<BOS_TOKEN>" + VIDEO_PART * 2, "2 <|VIDEO_PAD|> .* but 1 video"),
+        (None, "<BOS_TOKEN>" + VIDEO_PART, "but 0 video"),
+        ([GOOD[:0]], None, "no frames"),
+        ([[]], None, "no frames"),
+        ([[GOOD[0], make_clip(1, 32, 64, 2)[0]]], None, "same size"),
         (
             [[Image.fromarray(GOOD[0]), Image.fromarray(make_clip(1, 32, 64, 2)[0])]],
             None,
-            "FrameSizeError",
             "same size",
         ),
-        ([GOOD.astype(np.float32)], None, "FrameDtypeError", "uint8"),
-        ([GOOD.astype(np.float32) / 255], None, "FrameDtypeError", "uint8"),
-        (["clip.mp4"], None, "FrameContainerError", "Decode the file first"),
-        (GOOD[0], None, "TooFewFramesError", "at least 2 frames"),  # one frame, as transformers reads it
-        (np.zeros((32, 32), np.uint8), None, "FrameContainerError", "frames, height, width, 3"),
-        ([np.zeros((4, 32, 32, 4), np.uint8)], None, "FrameContainerError", "convert the frames to RGB"),
-        ([[Image.fromarray(f).convert("L") for f in GOOD]], None, "FrameContainerError", "convert\\('RGB'\\)"),
-        ([{"frames": GOOD}], None, "FrameContainerError", "pass a uint8 array"),
-        ([GOOD[:1]], None, "TooFewFramesError", "at least 2 frames"),
+        ([GOOD.astype(np.float32)], None, "uint8"),
+        ([GOOD.astype(np.float32) / 255], None, "uint8"),
+        (["clip.mp4"], None, "Decode the file first"),
+        (GOOD[0], None, "at least 2 frames"),  # one frame, as transformers reads it
+        (np.zeros((32, 32), np.uint8), None, "frames, height, width, 3"),
+        ([np.zeros((4, 32, 32, 4), np.uint8)], None, "convert the frames to RGB"),
+        ([[Image.fromarray(f).convert("L") for f in GOOD]], None, "convert\\('RGB'\\)"),
+        ([{"frames": GOOD}], None, "pass a uint8 array"),
+        ([GOOD[:1]], None, "at least 2 frames"),
     ],
     ids=[
         "more-videos-than-tokens",
@@ -469,25 +468,25 @@ GOOD = make_clip(4, 64, 64, 1)
         "one-frame",
     ],
 )
-def test_bad_video_input_gets_a_named_error(video_call, videos, text, error, match):
-    with pytest.raises(getattr(vpc, error), match=match) as err:
+def test_bad_video_input_gets_a_named_error(video_call, videos, text, match):
+    with pytest.raises(vpc.VideoInputError, match=match) as err:
         video_call(videos, text=text, do_sample_frames=False)
-    assert isinstance(err.value, pc.VideoInputError) and isinstance(err.value, ValueError)
+    assert isinstance(err.value, ValueError) and pc.VideoInputError is vpc.VideoInputError
 
 
 def test_metadata_that_does_not_fit_the_frames_is_refused(video_call):
     clip = make_clip(8, 64, 64, 1)
-    with pytest.raises(vpc.VideoMetadataError, match="total_num_frames=90 but 8 frames"):
+    with pytest.raises(vpc.VideoInputError, match="total_num_frames=90 but 8 frames"):
         video_call([clip], video_metadata=[{"total_num_frames": 90, "fps": 30}])
-    with pytest.raises(vpc.VideoMetadataError, match="has 3 entries"):
+    with pytest.raises(vpc.VideoInputError, match="has 3 entries"):
         video_call(
             [clip],
             video_metadata=[{"total_num_frames": 8, "fps": 30, "frames_indices": [0, 1, 2]}],
             do_sample_frames=False,
         )
-    with pytest.raises(vpc.VideoMetadataError, match="2 video_metadata entries .* 1 videos"):
+    with pytest.raises(vpc.VideoInputError, match="2 video_metadata entries .* 1 videos"):
         video_call([clip], video_metadata=[{"total_num_frames": 8, "fps": 30}] * 2)
-    with pytest.raises(vpc.VideoMetadataError, match="2 fps values .* 1 videos"):
+    with pytest.raises(vpc.VideoInputError, match="2 fps values .* 1 videos"):
         video_call([clip], fps=[2.0, 2.0])
 
 
@@ -495,5 +494,5 @@ def test_video_token_through_the_tokenizer_alone_is_refused(processors):
     """mlx-vlm tokenizes text-only prompts itself: a video part's token there has no frames."""
     tokenizer = processors().tokenizer
     for call in (lambda: tokenizer("<BOS_TOKEN>" + VIDEO_PART), lambda: tokenizer.encode(VIDEO_PART)):
-        with pytest.raises(pc.VideoCountMismatchError, match="no video was passed"):
+        with pytest.raises(pc.VideoInputError, match="no video was passed"):
             call()

@@ -32,8 +32,6 @@ from .video_processing_cohere_compass import (  # noqa: F401 (what callers catch
     NO_FPS_TIMESTAMP_WARNING,
     VIDEO_PROCESSOR_KEYS,
     CohereCompassVideoProcessor,
-    FrameContainerError,
-    VideoCountMismatchError,
     VideoInputError,
     VideoSettingsWarning,
     batched_videos,
@@ -226,7 +224,7 @@ def without_double_bos(tokenizer):
         def call(self, text=None, *args, add_special_tokens=True, **kwargs):
             found = _count_video_tokens(text) if refuse_video else 0
             if found:
-                raise VideoCountMismatchError(
+                raise VideoInputError(
                     f"cohere_compass: the text holds {found} {VIDEO_TOKEN} token(s) (a video part of a message "
                     "renders as one) but no video was passed with it. Pass the frames through the processor, "
                     "processor(text=..., videos=[frames], video_metadata=[{'total_num_frames': ..., 'fps': ...}]), "
@@ -511,7 +509,7 @@ class CohereCompassProcessor:
                 )
             video_placeholders = sum(t.count(self.video_token) for t in texts)
             if video_placeholders != len(videos):
-                raise VideoCountMismatchError(
+                raise VideoInputError(
                     f"the text has {video_placeholders} {self.video_token} placeholder(s) (one per video part of a "
                     f"message) but {len(videos)} video(s) were passed; pass one video per placeholder"
                 )
@@ -645,7 +643,7 @@ class CohereCompassProcessor:
                 "an image part carries no image; render with tokenize=False and call the processor"
             )
         if any(v is None for v in videos):
-            raise FrameContainerError(
+            raise VideoInputError(
                 "a video part carries no frames; put them in its 'video' key, or render with tokenize=False and "
                 "call the processor with videos=[...]"
             )

@@ -54,34 +54,6 @@ class VideoInputError(ValueError):
     """A video input the processor cannot use; the message says what to pass instead."""
 
 
-class VideoCountMismatchError(VideoInputError):
-    """The prompt's ``<|VIDEO_PAD|>`` tokens and the videos passed do not pair up."""
-
-
-class EmptyVideoError(VideoInputError):
-    """A video with no frames."""
-
-
-class TooFewFramesError(VideoInputError):
-    """Fewer frames than one temporal patch (2) after sampling."""
-
-
-class FrameSizeError(VideoInputError):
-    """Frames of one video with different sizes (or channel counts)."""
-
-
-class FrameDtypeError(VideoInputError):
-    """Frames that are not uint8."""
-
-
-class FrameContainerError(VideoInputError):
-    """A video passed in a form the processor does not read (a path, a URL, an odd array)."""
-
-
-class VideoMetadataError(VideoInputError):
-    """Video metadata that does not describe the frames passed."""
-
-
 class VideoSettingsWarning(UserWarning):
     """The reference's warnings: no fps in the metadata, no per-frame pixel cap chosen."""
 
@@ -135,7 +107,7 @@ def smart_resize_video(
 ) -> Tuple[int, int]:
     """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels."""
     if num_frames < temporal_factor:
-        raise TooFewFramesError(
+        raise VideoInputError(
             f"a video needs at least {temporal_factor} frames (one temporal patch) after sampling, got {num_frames}; "
             "pass more frames, or send a single frame as an image"
         )
@@ -151,7 +123,7 @@ def smart_resize_video(
         num_frames,
         temporal_factor,
         "video frame",
-        FrameSizeError,
+        VideoInputError,
     )
 
 
@@ -161,7 +133,7 @@ class _Frames:
     def __init__(self, video: Any, position: int):
         self.position = position
         if isinstance(video, (str, bytes, Path)):
-            raise FrameContainerError(
+            raise VideoInputError(
                 f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
@@ -177,13 +149,13 @@ class _Frames:
                 video if isinstance(video, np.ndarray) else _as_array(video, position)
             )
             if self.frames.ndim != 4:
-                raise FrameContainerError(
+                raise VideoInputError(
                     f"video {position} is an array of shape {self.frames.shape}; pass (frames, height, width, 3) or "
                     "(frames, 3, height, width) uint8, or a list of RGB PIL images"
                 )
             _check_dtype(self.frames.dtype, position)
             if self.frames.shape[0] == 0:
-                raise EmptyVideoError(
+                raise VideoInputError(
                     f"video {position} has no frames; pass at least 2"
                 )
             shape = self.frames.shape[1:]
@@ -191,7 +163,7 @@ class _Frames:
         # the last one cannot).
         self.channels_first = shape[0] == 3 and not (is_list and shape[-1] == 3)
         if not self.channels_first and shape[-1] != 3:
-            raise FrameContainerError(
+            raise VideoInputError(
                 f"video {position} has frames of shape {shape}: neither the first nor the last axis has 3 (RGB) "
                 "channels; convert the frames to RGB"
             )
@@ -200,7 +172,7 @@ class _Frames:
     def _checked_list(self, frames: list) -> Tuple[list, tuple]:
         """(frames, the shape of one): RGB PIL images or (H, W, 3) uint8 arrays, of one kind and size."""
         if not frames:
-            raise EmptyVideoError(
+            raise VideoInputError(
                 f"video {self.position} has no frames; pass at least 2"
             )
         pil = isinstance(frames[0], Image.Image)
@@ -209,11 +181,11 @@ class _Frames:
             where = f"video {self.position}: frame {i}"
             if isinstance(frame, Image.Image) != pil:
                 kinds = "PIL images" if pil else "arrays"
-                raise FrameContainerError(
+                raise VideoInputError(
                     f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame"
                 )
             if pil and frame.mode != "RGB":
-                raise FrameContainerError(
+                raise VideoInputError(
                     f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
                 )
             if not pil:
@@ -223,13 +195,13 @@ class _Frames:
                     else _as_array(frame, self.position)
                 )
                 if frame.ndim != 3:
-                    raise FrameContainerError(
+                    raise VideoInputError(
                         f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames"
                     )
                 _check_dtype(frame.dtype, self.position)
             this = (frame.height, frame.width, 3) if pil else frame.shape
             if shape is not None and this != shape:
-                raise FrameSizeError(
+                raise VideoInputError(
                     f"{where} has shape {this} but frame 0 has {shape}; every frame of a video must have the same size"
                 )
             shape = this
@@ -254,21 +226,21 @@ class _Frames:
 
 def _as_array(value: Any, position: int) -> np.ndarray:
     if not hasattr(value, "__array__") and not hasattr(value, "shape"):
-        raise FrameContainerError(
+        raise VideoInputError(
             f"video {position} is a {type(value).__name__}; pass a uint8 array (frames, height, width, 3) or "
             "(frames, 3, height, width), or a list of RGB PIL images"
         )
     try:
         return np.asarray(value)
     except Exception as err:  # e.g. an accelerator tensor numpy cannot read
-        raise FrameContainerError(
+        raise VideoInputError(
             f"video {position} ({type(value).__name__}) cannot be read as a numpy array: {err}; pass numpy frames"
         ) from err
 
 
 def _check_dtype(dtype, position: int) -> None:
     if dtype != np.uint8:
-        raise FrameDtypeError(
+        raise VideoInputError(
             f"video {position} has frames of dtype {dtype}; pass uint8 frames (values 0-255), e.g. "
             "np.clip(frames * 255, 0, 255).astype(np.uint8) for floats in [0, 1]"
         )
@@ -291,7 +263,7 @@ def _rate(name: str, value) -> Optional[float]:
         or not value > 0
         or not math.isfinite(value)
     ):
-        error = VideoMetadataError if name.startswith("metadata") else ValueError
+        error = VideoInputError if name.startswith("metadata") else ValueError
         raise error(
             f"cohere_compass video processor: `{name}` must be a positive number, got {value!r}"
         )
@@ -489,7 +461,7 @@ class CohereCompassVideoProcessor(Settings):
             or not isinstance(total, (int, np.integer))
             or total < 1
         ):
-            raise VideoMetadataError(
+            raise VideoInputError(
                 f"video metadata needs total_num_frames, a positive integer; got {total!r}"
             )
         total = int(total)
@@ -552,21 +524,21 @@ class CohereCompassVideoProcessor(Settings):
             # Frames as passed; a per-video fps list is their rate.
             if given is None:
                 if total != count:
-                    raise VideoMetadataError(
+                    raise VideoInputError(
                         f"video {video.position}: the metadata says total_num_frames={total} but {count} frames were "
                         "passed and it has no frames_indices; pass frames_indices (the source position of each "
                         "frame) or all the frames"
                     )
                 given = passed
             if len(given) != count:
-                raise VideoMetadataError(
+                raise VideoInputError(
                     f"video {video.position}: {count} frames were passed but the metadata's frames_indices has "
                     f"{len(given)} entries; pass one index per frame"
                 )
             return SampledVideo(passed, [int(i) for i in given], source_fps, total)
         indices, source_fps = self._sample(metadata, num_frames, fps, *limits)
         if indices.size and int(indices.max()) >= count:
-            raise VideoMetadataError(
+            raise VideoInputError(
                 f"video {video.position}: the metadata says total_num_frames={total} but {count} frames were passed; "
                 "pass all the frames of the clip, or the sampled frames with their frames_indices (and "
                 "total_num_frames of the source)"
@@ -591,7 +563,7 @@ class CohereCompassVideoProcessor(Settings):
                     1 << 62,
                 )
             if height % factor or width % factor:
-                raise FrameSizeError(
+                raise VideoInputError(
                     f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
                 )
             return height, width
@@ -677,7 +649,7 @@ class CohereCompassVideoProcessor(Settings):
             warn_video_settings(UNCAPPED_WARNING)
         do_sample = vp.do_sample_frames if do_sample is None else bool(do_sample)
         if isinstance(fps, (list, tuple)) and len(fps) != len(items):
-            raise VideoMetadataError(
+            raise VideoInputError(
                 f"{len(fps)} fps values were passed for {len(items)} videos; pass one per video"
             )
         metadata = batched_metadata(video_metadata, len(items))
@@ -742,7 +714,7 @@ def batched_metadata(video_metadata, count: int) -> list:
     ):  # nested per prompt
         video_metadata = [m for group in video_metadata for m in group]
     if len(video_metadata) != count:
-        raise VideoMetadataError(
+        raise VideoInputError(
             f"{len(video_metadata)} video_metadata entries were passed for {count} videos; pass one per video"
         )
     return list(video_metadata)
