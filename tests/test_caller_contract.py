@@ -4,8 +4,8 @@ Each driver (scripts/_lib/contract.py) calls the model the way one kind of calle
 generate, batch and server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the
 logits of the prompt's last token and of each teacher-forced decode step. Ours is compared with
 the recorded transformers fixtures (prefill and step logits within 1e-4, greedy ids exact),
-never with another run of our code. The control, mlx-vlm's own ``qwen3_vl``, is driven the same
-way by the pin-bump survey (scripts/pin_bump/control_survey.py): it monitors mlx-vlm.
+never with another run of our code. What mlx-vlm's own ``qwen3_vl`` (the control) did under the
+same drivers: docs/model-contract.md.
 """
 
 from __future__ import annotations

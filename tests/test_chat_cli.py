@@ -11,8 +11,6 @@ a text turn, ``/clear``, ``/image``, a picture turn, then a follow-up on the sam
   prints what ``stream_generate`` gives for the whole history without any cache.
 - 0.3.x's chat imports ``rich``, which that pin does not install: the chat cannot start there
   (probed, skipped with that reason).
-- The chat on the control (mlx-vlm's ``qwen3_vl``) is an item of the control survey
-  (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations

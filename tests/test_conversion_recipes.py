@@ -4,8 +4,7 @@ Every recipe the pin's ``python -m mlx_vlm.convert`` offers (read from its own a
 not from version numbers): the mixed-bit recipes (``--quant-predicate mixed_*``), the float
 quantization modes (``--q-mode mxfp4 / nvfp4 / mxfp8``) and AWQ (``--quant-method awq``, text and
 multimodal calibration). Each runs through the pin's converter (its parser and ``convert``) on
-the tiny checkpoint (the recipes and checks: scripts/_lib/recipes.py; the same on mlx-vlm's own
-qwen3_vl, which monitors the pin, is in the control survey, scripts/pin_bump/control_survey.py).
+the tiny checkpoint (the recipes and checks: scripts/_lib/recipes.py).
 
 "Answers right", measured three ways:
 

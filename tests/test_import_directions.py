@@ -27,7 +27,7 @@ def test_this_tree_keeps_them():
     "where,line",
     [
         ("scripts/bench/planted.py", "from tests.lib.server import Server"),
-        ("compass_compat/planted.py", "import scripts._lib.control"),
+        ("compass_compat/planted.py", "import scripts._lib.contract"),
         ("vendor/mlx_vlm/models/cohere_compass/planted.py", "from tests import conftest"),
     ],
 )

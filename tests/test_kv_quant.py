@@ -13,7 +13,7 @@ so does 32. The tiny one has 16, which no group fits: refused by name
 as head_dim 32, 128 on the default one). Uniform 8 and 4 bits also run on that head_dim-32
 checkpoint (the tiny tensors, two heads), whose random weights give near-tied logits, so only
 what must hold is asserted there: the run completes with finite log-probabilities. Figures
-against float: scripts/bench/kv_quant.py.
+against float: docs/features.md.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_quantized_attention_blocks_equal_whole_call(monkeypatch):
 
 def _reference_cases():
     """The text prompts and the demo's worded questions, with transformers' greedy answers. Box
-    digits are near-ties that any quantization may move: scripts/bench/kv_quant.py counts them."""
+    digits are near-ties that any quantization may move: docs/features.md counts them."""
     cases = [(c["prompt"], [], c["text"]) for c in REFERENCE["text_only"]]
     cases += [
         (REFERENCE["demo"][k]["prompt"], [str(DEMO)], REFERENCE["demo"][k]["text"])

@@ -12,8 +12,8 @@ part after the prefix and prefill the rest whole; 0.4.4 trims a turn that adds a
 passes the whole prompt's token types, grids and pixels unprimed, from which the model places it.
 
 Ours runs on the default checkpoint (the toy: its sliding window covers these conversations,
-so the pin's caches can be trimmed). mlx-vlm's own qwen3_vl on the same conversations is an item
-of the control survey (scripts/pin_bump/control_survey.py).
+so the pin's caches can be trimmed). mlx-vlm's own qwen3_vl on the same conversations:
+docs/testing.md (the control model).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def ours(loaded, pictures, name: str, reuse: Dict[str, Any]) -> List[Tuple[Turn,
 
 
 # Measured: on 0.6.3 a request that extends an earlier one reuses its prefix and answers otherwise
-# than uncached (the control given this model's cache layout does the same: the control survey).
+# than uncached (the control given this model's cache layout did the same: docs/testing.md).
 APC_FAILS = {"0.6.3": ("picture-text-picture", "text-only")}
 
 

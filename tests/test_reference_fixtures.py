@@ -22,7 +22,7 @@ LIVE_CASES = ["text_short", "img_448"]
 # transformers recomputed on another CPU than the recording one differs from the fixtures by up
 # to 3.1e-6 of an array's largest magnitude (logits: 3.1e-5 of 10.0; features: 2.9e-6 of 4.1),
 # measured over torch's AVX512 / AVX2 / scalar kernels, MKL and oneDNN limited to AVX2 and SSE4
-# (scripts/reference/cpu_spread.py; an AMD EPYC without AVX-512 gave 2.6e-5 on the logits).
+# (docs/testing.md; an AMD EPYC without AVX-512 gave 2.6e-5 on the logits).
 # Three times that: a stale fixture moves values by far more; greedy ids and integers stay exact.
 CROSS_CPU_SPREAD = 1e-5
 
@@ -262,6 +262,6 @@ def test_recorded_fixtures_are_current(reference, case):
         if np.issubdtype(value.dtype, np.integer):
             np.testing.assert_array_equal(value, recorded[key], err_msg=key)
         else:
-            # Another CPU's kernels round differently (scripts/reference/cpu_spread.py measures it).
+            # Another CPU's kernels round differently (CROSS_CPU_SPREAD above).
             atol = CROSS_CPU_SPREAD * float(np.abs(recorded[key]).max())
             np.testing.assert_allclose(value, recorded[key], rtol=0, atol=atol, err_msg=key)

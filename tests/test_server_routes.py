@@ -9,9 +9,6 @@ the version number:
   only its embedding models produce; a generative VLM is refused by the pin by name (400), for
   text and for a picture. The same verdict in-process through the pin's own embedding loader and
   call (``mlx_vlm.embedding_loader.load_embedding_model``; ``model(ids, attention_mask=)``).
-
-The control (mlx-vlm's own ``qwen3_vl``) through these routes and the embedding call monitors the
-pin: the pin-bump survey holds it (scripts/pin_bump/control_survey.py).
 """
 
 from __future__ import annotations
@@ -177,8 +174,8 @@ def test_embeddings_refuse_this_model_by_name(servers, image_b64):
 
 def test_the_pins_embedding_call_gives_no_text_embeds(tiny_ckpt_original):
     """What the route runs after tokenizing, in-process: the pin's embedding loader, then
-    ``model(input_ids, attention_mask=)``. A generative VLM (ours; the pin's own qwen3_vl in the
-    control survey) has no ``text_embeds`` in its output, which is what the route's refusal reads."""
+    ``model(input_ids, attention_mask=)``. A generative VLM (ours, as the pin's own qwen3_vl)
+    has no ``text_embeds`` in its output, which is what the route's refusal reads."""
     pytest.importorskip("mlx_vlm.embedding_loader", reason="this mlx-vlm has no embedding loader (no embeddings)")
     import mlx.core as mx
     from mlx_vlm.embedding_loader import load_embedding_model

@@ -13,8 +13,7 @@ speculative decoding must give the plain greedy tokens or not run.
   ``--draft-model`` (the request gets the server's 500 with the refusal as its detail).
 - On 0.7.10 with COMPASS_COMPAT_IMPLEMENTATION=upstream, upstream's own cohere_compass is run the
   same way: either its speculative greedy tokens equal the plain ones, or the failure comes from
-  inside mlx-vlm's speculative package (the pin's, reported). The control (qwen3_vl) is run so by
-  the control survey (scripts/pin_bump/control_survey.py).
+  inside mlx-vlm's speculative package (the pin's, reported).
 """
 
 from __future__ import annotations

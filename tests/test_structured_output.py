@@ -1,6 +1,5 @@
 """Structured output: ``logits_processors`` through mlx-vlm's ``generate`` / ``stream_generate``, and
-the server's ``response_format`` (a JSON schema), on ours (mlx-vlm's own qwen3_vl driven the same
-way: the control survey, scripts/pin_bump/control_survey.py).
+the server's ``response_format`` (a JSON schema), on ours.
 
 The processors are our own (scripts/_lib/json_mask.py): one that changes nothing, one that allows only
 the ids of a fixed JSON document in order, and a mask that keeps the answer a prefix of one of a

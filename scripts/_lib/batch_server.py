@@ -1,5 +1,5 @@
 """mlx-vlm's server admission, in process: the pin's own ``BatchGenerator`` (0.6.12+) driven as
-``mlx_vlm.server`` drives it, for any model of the pin (ours, or the control ``qwen3_vl``), with
+``mlx_vlm.server`` drives it, for any model of the pin, with
 or without the pin's automatic prefix cache (APC).
 
 Each request goes in as the server inserts it: ``get_input_embeddings`` on its ids and pixels,
@@ -19,8 +19,8 @@ Request = Dict[str, Any]  # input_ids [1, L], optional pixel_values / image_grid
 
 
 class _Stops:
-    """The ``processor.tokenizer.stopping_criteria`` BatchGenerator asks for (a model without
-    a processor, as the control, stops at its EOS ids)."""
+    """The ``processor.tokenizer.stopping_criteria`` BatchGenerator asks for: the request stops
+    at the given EOS ids, with no processor."""
 
     def __init__(self, eos: Sequence[int]):
         from mlx_vlm.utils import StoppingCriteria

@@ -1,8 +1,7 @@
 """The caller contract's drivers (docs/model-contract.md): each calls a model the way one kind
 of caller does and returns the logits of the prompt's last token and of each teacher-forced
-decode step. Used on ours (tests/test_caller_contract.py, against the recorded transformers
-fixtures) and on the control, mlx-vlm's own ``qwen3_vl`` (scripts/pin_bump/control_survey.py,
-against its own one-shot forward pass)."""
+decode step. Used on ours by tests/test_caller_contract.py, against the recorded transformers
+fixtures."""
 
 from __future__ import annotations
 
@@ -195,32 +194,6 @@ def make_cache(model) -> List[Any]:
     from mlx_vlm.models.cache import KVCache
 
     return [KVCache() for _ in model.language_model.layers]
-
-
-def control_case(model, name: str) -> Case:
-    """Case ``name`` of the control (scripts/_lib/control.py) with its own one-shot reference:
-    greedy ids with no cache at all, and the logits of the prompt plus those ids in one pass."""
-    from scripts._lib import control
-
-    inputs = control.control_prompt(name)
-    greedy = control.recompute_greedy(model, inputs, STEPS)
-    ids = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
-    full = control.one_shot_logits(model, control._with_ids(inputs, ids + greedy[:-1]))
-    L = len(ids)
-    positions = control.expected_positions(inputs)
-    vision = np.nonzero(np.asarray(inputs["input_ids"]).reshape(-1) == control.IMAGE_ID)[0]
-    extra = {"image_grid_thw": inputs["image_grid_thw"]} if "image_grid_thw" in inputs else {}
-    return Case(
-        name=name,
-        ids=inputs["input_ids"],
-        pixels=inputs.get("pixel_values"),
-        extra=extra,
-        prefill_last=full[L - 1],
-        step_logits=full[L - 1 : L - 1 + STEPS],
-        greedy=greedy,
-        delta=int(positions.max()) + 1 - L,
-        vision_end=int(vision[-1]) + 2 if len(vision) else 0,  # past the vision-end token
-    )
 
 
 def forget_kept_delta(cache: List[Any]) -> None:

@@ -2,10 +2,7 @@
 the pin's prompt-cache reuse (a ``PromptCacheState`` kept across turns, or an automatic prefix
 cache manager) and as a fresh request of the same whole conversation, with no cache at all.
 
-Ours is driven with prompts and picture files (its processor); the control, which has no
-processor, with the prompt ids and pixels handed to ``stream_generate`` directly
-(:class:`IdsOnly` stands in for the processor's tokenizer and detokenizer). Shared by
-tests/test_prompt_cache_reuse.py (ours) and the control survey (scripts/pin_bump/control_survey.py).
+For tests/test_prompt_cache_reuse.py: ours is driven with prompts and picture files (its processor).
 """
 
 from __future__ import annotations
@@ -113,35 +110,3 @@ def run_turn(model, processor, prompt: str, max_tokens: int, **kwargs: Any) -> T
     finally:
         del model.get_input_embeddings
     return Turn(ids, np.stack(rows) if rows else None, fed[0] if fed else 0)
-
-
-class _Detokenizer:
-    def __init__(self) -> None:
-        self.last_segment = ""
-
-    def reset(self) -> None:
-        self.last_segment = ""
-
-    def add_token(self, token, **_: Any) -> None:
-        self.last_segment = f" {int(token)}"
-
-    def finalize(self) -> None:
-        self.last_segment = ""
-
-
-class IdsOnly:
-    """A stand-in processor for a model fed ids directly (the control): stops at ``eos``,
-    detokenizes to the ids' numbers."""
-
-    def __init__(self, eos: int):
-        self.eos = eos
-        self.tokenizer = self
-        self.detokenizer = _Detokenizer()
-        self.all_special_ids = [eos]
-        self.thinking_budget_criteria = None
-
-    def stopping_criteria(self, token) -> bool:
-        return int(token) == self.eos
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
-        return [self.eos]

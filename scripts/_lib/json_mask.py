@@ -2,8 +2,8 @@
 
 mlx-vlm's ``generate_step`` calls each processor as ``processor(tokens, logits)``: ``tokens`` the
 1-D context (the prompt, or its last prefill chunk, then each sampled id), ``logits`` [1, vocab].
-Every processor here records its calls, so tests (tests/test_structured_output.py, and the control
-survey on mlx-vlm's own qwen3_vl) can check that convention as well as the answer.
+Every processor here records its calls, so tests/test_structured_output.py can check that convention
+as well as the answer.
 Token ids are mapped to text by ``pieces`` (id -> its text, None for ids a JSON answer never uses:
 special tokens, padded rows past the tokenizer).
 """
@@ -86,12 +86,6 @@ def tokenizer_pieces(tokenizer, vocab_size: int) -> List[Optional[str]]:
         else:
             pieces.append(tokenizer.decode([i], clean_up_tokenization_spaces=False) or None)
     return pieces
-
-
-def byte_pieces(vocab_size: int, limit: int) -> List[Optional[str]]:
-    """id -> text for a model without a tokenizer (the control): ids 32..126 below ``limit`` read as
-    their ASCII characters, every other id None."""
-    return [chr(i) if 32 <= i < min(127, limit) else None for i in range(vocab_size)]
 
 
 @dataclass

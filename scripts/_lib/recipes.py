@@ -1,7 +1,6 @@
 """mlx-vlm's conversion recipes through the pin's own converter, and what a converted folder is
 checked against: the recipe's rule for each layer's bits, and the same model holding
-``mx.dequantize`` of its stored weights. tests/test_conversion_recipes.py runs them on ours, the
-control survey (scripts/pin_bump/control_survey.py) on mlx-vlm's own qwen3_vl.
+``mx.dequantize`` of its stored weights, for tests/test_conversion_recipes.py.
 """
 
 from __future__ import annotations
@@ -73,23 +72,19 @@ def recipe_flags(recipe: str) -> list:
     }[recipe]
 
 
-def convert_with_pin(source: Path, out: Path, recipe: str, processor: Any = None) -> str:
+def convert_with_pin(source: Path, out: Path, recipe: str) -> str:
     """Convert ``source`` into ``out`` with the pin's own parser and ``convert``; returns what it
-    printed. ``processor`` stands in for the folder's processor (the control has none)."""
-    import mlx_vlm.utils
+    printed."""
     from mlx_vlm.convert import configure_parser, convert
 
     args = configure_parser().parse_args(["--hf-path", str(source), "--mlx-path", str(out), *recipe_flags(recipe)])
-    real_processor, real_print = mlx_vlm.utils.load_processor, builtins.print
-    if processor is not None:
-        mlx_vlm.utils.load_processor = lambda *a, **k: processor
+    real_print = builtins.print
     printed: List[str] = []
     builtins.print = lambda *a, **k: printed.append(" ".join(map(str, a)))
     try:
         convert(**vars(args))
     finally:
         builtins.print = real_print
-        mlx_vlm.utils.load_processor = real_processor
     return "\n".join(printed)
 
 

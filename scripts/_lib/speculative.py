@@ -1,7 +1,6 @@
 """Speculative decoding through the pin's ``generate_step`` (``draft_model`` / ``draft_kind``) with a
 random drafter of the pin's own dflash architecture, for tests/test_speculative.py (ours, upstream's
-cohere_compass) and the control survey (mlx-vlm's own qwen3_vl). A drafter's quality does not
-matter: greedy speculative decoding must give the plain greedy tokens or not run.
+cohere_compass). A drafter's quality does not matter: greedy speculative decoding must give the plain greedy tokens or not run.
 """
 
 from __future__ import annotations

@@ -201,24 +201,6 @@ def build_report(work: Path) -> Dict[str, Any]:
             + "; this run records them in compass_compat/verdicts.json: review that diff"
         )
 
-    control = _load_json(work / "control.json")
-    if control is not None:
-        failing = sorted(i for i, v in control["result"].items() if v != "pass")
-        expected = control.get("expected")
-        changed = (
-            None if expected is None else (sorted(set(failing) - set(expected)), sorted(set(expected) - set(failing)))
-        )
-        notes.append(
-            f"the control (mlx-vlm's own qwen3_vl) fails {len(failing)} of {len(control['result'])} survey items (caller contract and generation features)"
-            + (
-                ": no record for this release (scripts/pin_bump/control_expected.json)"
-                if changed is None
-                else ", as recorded"
-                if changed == ([], [])
-                else f"; now failing {changed[0]}, now passing {changed[1]}: a host convention changed"
-            )
-        )
-
     tests = junit_counts(work / "pytest.xml")
     selection = meta.get("tests", "full")
     if selection != "none":
