@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -210,13 +211,18 @@ def test_guard_routes(path, guarded):
     assert server_guard.guarded(path) is guarded
 
 
-def test_without_model_the_server_serves_the_default_checkpoint_and_says_which_package(tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_without_model_the_server_serves_the_default_checkpoint_and_stops_with_exit_0(tmp_path, stop_signal):
     """`python -m compass_compat server` with no --model serves the default checkpoint, as
     `generate` does (it once loaded nothing until a request named a model), and logs which
-    cohere_compass is live."""
+    cohere_compass is live. Ctrl+C or SIGTERM, after a request, end it with exit code 0 and no
+    abort (mlx-vlm's own server aborts in MLX's thread-local destructors at exit: docs/hosts.md)."""
     with Server(None, tmp_path / "server.log") as server:
         status, body = server.post([{"type": "text", "text": "Say hello."}], max_tokens=4)
+        code = server.stop(stop_signal)
         log = server.tail(200)
     assert status == 200, (body, log)
     live = compass_compat.implementation_info().implementation  # the server inherits the switch
     assert "serving the default checkpoint" in log and f"cohere_compass: {live} live" in log, log
+    assert code == 0 and "terminate called" not in log, (code, log)
+    assert "Application shutdown complete" in log, log  # uvicorn's graceful shutdown ran first

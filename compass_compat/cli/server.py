@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import logging
 import os
+import signal
 import sys
 from types import ModuleType
-from typing import List
+from typing import Callable, List, NoReturn
 
 from .. import implementation_info
 from ..startup import ENV as AUTOPATCH_ENV
@@ -81,8 +83,34 @@ def main(argv: List[str]) -> int:
     if _main_forces_reload(module):
         return _legacy_server(module, rest)
     sys.argv = ["mlx_vlm.server", *rest]
-    module.main()
-    return 0
+    if args.help:
+        module.main()  # argparse prints mlx-vlm's options and exits
+        return 0
+    _exit_after(module.main)
+
+
+def _exit_after(serve: Callable[[], None]) -> NoReturn:
+    """Run ``serve`` (uvicorn), then end the process with its exit code: 0 after Ctrl+C or SIGTERM.
+
+    uvicorn shuts down gracefully on either signal, then raises it again once it returns; SIGTERM's
+    default action would end the process with 143, so it raises ``SystemExit(0)`` here instead."""
+    signal.signal(signal.SIGTERM, _exit_zero)
+    try:
+        serve()
+        code = 0
+    except KeyboardInterrupt:
+        code = 0
+    except SystemExit as stop:  # uvicorn's exit when it cannot start (3, an int on every pin), or SIGTERM's 0
+        code = stop.code if isinstance(stop.code, int) else 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: it aborts (std::terminate) in MLX's thread-local destructors (docs/hosts.md).
+    os._exit(code)
+
+
+def _exit_zero(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _main_forces_reload(module: ModuleType) -> bool:
