@@ -234,7 +234,7 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
                 "toy default checkpoint",
             ],
         ),
-        (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
+        (["server", "--help"], ["default checkpoint", "--port"]),
         (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
         (["run", "--help"], ["COMPASS_COMPAT_AUTOPATCH", "mlx_vlm.generate"]),
         (["info", "--help"], ["--json"]),

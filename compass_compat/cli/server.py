@@ -1,5 +1,5 @@
-"""``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
-inputs answered by a 400 (:mod:`compass_compat.server_guard`)."""
+"""``server``: the installed mlx-vlm's own server (its flags), patched, serving the default
+checkpoint when no ``--model`` is given."""
 
 from __future__ import annotations
 
@@ -27,18 +27,10 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Start the installed mlx-vlm's own server with the patch applied. Options not listed "
             "here (--model, --host, --port, ...) are mlx-vlm's; they differ between releases. "
-            "Malformed image inputs (bad base64, unreadable image, missing file, too many images) "
-            "get HTTP 400 instead of mlx-vlm's 500."
+            "Without --model it serves the default checkpoint."
         ),
     )
     own.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
-    own.add_argument(
-        "--max-images",
-        type=int,
-        default=None,
-        help="most images per request before a 400 (default: mlx-vlm's MAX_IMAGES, 10)",
-    )
-    own.add_argument("--no-guard", action="store_true", help="pass every request to mlx-vlm unchecked")
     return own
 
 
@@ -74,12 +66,6 @@ def main(argv: List[str]) -> int:
     else:
         # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
         os.environ[AUTOPATCH_ENV] = "1"
-        if not args.no_guard:
-            from .. import server_guard
-
-            # mlx-vlm declares MAX_IMAGES = 10 per request (every pin to 0.7.10) but never enforces it.
-            limit = args.max_images if args.max_images is not None else int(getattr(module, "MAX_IMAGES", 10))
-            server_guard.install(module.app, limit)
     if _main_forces_reload(module):
         return _legacy_server(module, rest)
     sys.argv = ["mlx_vlm.server", *rest]
@@ -135,7 +121,7 @@ def _server_module() -> ModuleType:
 
 def _legacy_server(module: ModuleType, rest: List[str]) -> int:
     # mlx-vlm 0.3.x: main() always runs uvicorn with reload=True, which re-imports the app in
-    # a child process (losing the guard) and watches the working directory; serve the app
+    # a child process and watches the working directory; serve the app
     # object in this process instead. Its flags are --host and --port; --model preloads.
     legacy = argparse.ArgumentParser(prog=f"{PROG} server", description="mlx-vlm 0.3.x server, patched.")
     legacy.add_argument("--host", default="0.0.0.0", help="Host for the HTTP server (default: %(default)s)")
