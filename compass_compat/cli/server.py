@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import os
 import signal
@@ -56,22 +55,17 @@ def main(argv: List[str]) -> int:
             rest = ["--model", ref, *rest]
             log(f"serving the default checkpoint {ref} (a toy: pass --model for a real one)")
     module = _server_module()
-    if not args.help:
-        info = implementation_info()
-        log(f"cohere_compass: {info.implementation} live ({info.reason})")
     if args.help:
         parser().print_help()
         print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)
-        rest = ["--help"]
-    else:
-        # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
-        os.environ[AUTOPATCH_ENV] = "1"
-    if _main_forces_reload(module):
-        return _legacy_server(module, rest)
-    sys.argv = ["mlx_vlm.server", *rest]
-    if args.help:
+        sys.argv = ["mlx_vlm.server", "--help"]
         module.main()  # argparse prints mlx-vlm's options and exits
         return 0
+    info = implementation_info()
+    log(f"cohere_compass: {info.implementation} live ({info.reason})")
+    # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
+    os.environ[AUTOPATCH_ENV] = "1"
+    sys.argv = ["mlx_vlm.server", *rest]
     _exit_after(module.main)
 
 
@@ -99,15 +93,6 @@ def _exit_zero(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _main_forces_reload(module: ModuleType) -> bool:
-    """Whether this mlx-vlm's server ``main()`` always runs uvicorn with ``reload=True`` (0.3.x's
-    does): the hook looked for is ``reload=True`` in the source of ``mlx_vlm.server.main``."""
-    try:
-        return "reload=True" in inspect.getsource(module.main)
-    except (OSError, TypeError):  # no source to read: run main() as it is
-        return False
-
-
 def _server_module() -> ModuleType:
     try:
         return importlib.import_module("mlx_vlm.server")
@@ -117,21 +102,3 @@ def _server_module() -> ModuleType:
             f"mlx-vlm {info.mlx_vlm_version} has no usable server (import mlx_vlm.server failed: {err}); "
             "mlx-vlm's server needs fastapi and uvicorn"
         ) from err
-
-
-def _legacy_server(module: ModuleType, rest: List[str]) -> int:
-    # mlx-vlm 0.3.x: main() always runs uvicorn with reload=True, which re-imports the app in
-    # a child process and watches the working directory; serve the app
-    # object in this process instead. Its flags are --host and --port; --model preloads.
-    legacy = argparse.ArgumentParser(prog=f"{PROG} server", description="mlx-vlm 0.3.x server, patched.")
-    legacy.add_argument("--host", default="0.0.0.0", help="Host for the HTTP server (default: %(default)s)")
-    legacy.add_argument("--port", type=int, default=8080, help="Port for the HTTP server (default: %(default)s)")
-    legacy.add_argument("--model", help="Load this model now; requests must name it in their 'model' field.")
-    args = legacy.parse_args(rest)
-    if args.model:
-        model_ref, _ = resolve_model(args.model)
-        module.get_cached_model(model_ref)
-    import uvicorn
-
-    uvicorn.run(module.app, host=args.host, port=args.port, workers=1)
-    return 0
