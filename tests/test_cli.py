@@ -1,4 +1,5 @@
-"""``python -m compass_compat``: generate (default checkpoint, demo picture), convert, info, errors, help."""
+"""``python -m compass_compat``: generate (default checkpoint, demo picture), mlx-vlm's converter through
+``run``, info, errors, help."""
 
 from __future__ import annotations
 
@@ -225,24 +226,28 @@ def test_a_prompt_within_the_positions_warns_nothing(tiny_ckpt_original, capsys,
 # -------------------------------------------------------------------------- convert
 
 
-def test_convert_quantizes_through_the_patched_mlx_vlm_converter(tmp_path, tiny_ckpt_original, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", list(sys.argv))  # convert hands its flags to mlx-vlm via sys.argv
+def test_run_quantizes_through_the_patched_mlx_vlm_converter(tmp_path, tiny_ckpt_original, capsys):
+    """The command docs/usage.md shows: mlx-vlm's converter under ``run``, then generate on its output."""
     out = tmp_path / "q4"
-    code, stdout, stderr = main_in_process(
-        capsys,
-        "convert",
+    proc = run_cli(
+        "run",
+        "--",
+        sys.executable,
+        "-m",
+        "mlx_vlm.convert",
         "--hf-path",
-        str(tiny_ckpt_original),
+        tiny_ckpt_original,
         "--mlx-path",
-        str(out),
+        out,
         "-q",
         "--q-bits",
         "4",
         "--q-group-size",
         "64",
+        home=tmp_path,
+        timeout=600,
     )
-    assert code == 0, stderr
-    assert "Quantiz" in stdout + stderr  # mlx-vlm's own progress lines
+    assert "Quantiz" in proc.stdout + proc.stderr  # mlx-vlm's own progress lines
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
     code, text, stderr = main_in_process(capsys, "generate", "--model", str(out), "--max-tokens", "4", "--no-verbose")
@@ -271,7 +276,7 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--help"], ["generate", "server", "convert", "run", "info"]),
+        (["--help"], ["generate", "server", "run", "info"]),
         (
             ["generate", "--help"],
             [
@@ -289,8 +294,7 @@ def test_info_reports_the_live_implementation_and_the_hook(tmp_path, monkeypatch
                 "toy default checkpoint",
             ],
         ),
-        (["server", "--help"], ["--max-images", "--no-guard", "--port"]),
-        (["convert", "--help"], ["--hf-path", "--mlx-path", "--q-bits", "--q-group-size"]),
+        (["server", "--help"], ["default checkpoint", "--port"]),
         (["run", "--help"], ["COMPASS_COMPAT_AUTOPATCH", "mlx_vlm.generate"]),
         (["info", "--help"], ["--json"]),
     ],
@@ -324,11 +328,6 @@ def test_every_subcommand_has_help(capsys, monkeypatch, argv, words):
         (["generate", "--model", "{ckpt}", "--image", "{tmp}"], "is a folder, not an image file"),
         (["generate", "--model", "{ckpt}", "--prompt", ""], "--prompt is empty"),
         (["generate", "--model", "{ckpt}", "--prompt", "  "], "--prompt is empty"),
-        (
-            ["convert", "--hf-path", "/nonexistent/ckpt", "--mlx-path", "{tmp}/out"],
-            "checkpoint folder not found: /nonexistent/ckpt",
-        ),
-        (["convert", "--mlx-path", "{tmp}/out"], "--hf-path is required"),
         (["server", "--model", "/nonexistent/ckpt", "--port", "1"], "model folder not found: /nonexistent/ckpt"),
         (["run"], "run needs a command"),
         (

@@ -1,4 +1,4 @@
-"""``python -m compass_compat``: mlx-vlm's generate, server and convert with the patch applied, one
+"""``python -m compass_compat``: mlx-vlm's generate and server with the patch applied, one
 module per subcommand (``add_parser`` and ``main``); importing this package applies the patch."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import sys
 from typing import Optional, Sequence
 
 from .. import UNAVAILABLE, __version__
-from . import convert, generate, info, run, server
+from . import generate, info, run, server
 from .common import PROG, CliError
 
-COMMANDS = {"generate": generate, "server": server, "convert": convert, "run": run, "info": info}
-# Their flags go to mlx-vlm untouched: they parse the rest of the command line themselves.
-PASSTHROUGH = ("server", "convert")
+COMMANDS = {"generate": generate, "server": server, "run": run, "info": info}
+# Its flags go to mlx-vlm untouched: it parses the rest of the command line itself.
+PASSTHROUGH = ("server",)
 
 
 def build_parser() -> argparse.ArgumentParser:

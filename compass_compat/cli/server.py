@@ -1,15 +1,16 @@
-"""``server``: the installed mlx-vlm's own server (its flags), patched, with malformed image
-inputs answered by a 400 (:mod:`compass_compat.server_guard`)."""
+"""``server``: the installed mlx-vlm's own server (its flags), patched, serving the default
+checkpoint when no ``--model`` is given."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
+import logging
 import os
+import signal
 import sys
 from types import ModuleType
-from typing import List
+from typing import Callable, List, NoReturn
 
 from .. import implementation_info
 from ..startup import ENV as AUTOPATCH_ENV
@@ -25,18 +26,10 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Start the installed mlx-vlm's own server with the patch applied. Options not listed "
             "here (--model, --host, --port, ...) are mlx-vlm's; they differ between releases. "
-            "Malformed image inputs (bad base64, unreadable image, missing file, too many images) "
-            "get HTTP 400 instead of mlx-vlm's 500."
+            "Without --model it serves the default checkpoint."
         ),
     )
     own.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
-    own.add_argument(
-        "--max-images",
-        type=int,
-        default=None,
-        help="most images per request before a 400 (default: mlx-vlm's MAX_IMAGES, 10)",
-    )
-    own.add_argument("--no-guard", action="store_true", help="pass every request to mlx-vlm unchecked")
     return own
 
 
@@ -62,36 +55,42 @@ def main(argv: List[str]) -> int:
             rest = ["--model", ref, *rest]
             log(f"serving the default checkpoint {ref} (a toy: pass --model for a real one)")
     module = _server_module()
-    if not args.help:
-        info = implementation_info()
-        log(f"cohere_compass: {info.implementation} live ({info.reason})")
     if args.help:
         parser().print_help()
         print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)
-        rest = ["--help"]
-    else:
-        # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
-        os.environ[AUTOPATCH_ENV] = "1"
-        if not args.no_guard:
-            from .. import server_guard
-
-            # mlx-vlm declares MAX_IMAGES = 10 per request (every pin to 0.7.10) but never enforces it.
-            limit = args.max_images if args.max_images is not None else int(getattr(module, "MAX_IMAGES", 10))
-            server_guard.install(module.app, limit)
-    if _main_forces_reload(module):
-        return _legacy_server(module, rest)
+        sys.argv = ["mlx_vlm.server", "--help"]
+        module.main()  # argparse prints mlx-vlm's options and exits
+        return 0
+    info = implementation_info()
+    log(f"cohere_compass: {info.implementation} live ({info.reason})")
+    # Children spawned by uvicorn --reload re-import the app: the startup hook patches them.
+    os.environ[AUTOPATCH_ENV] = "1"
     sys.argv = ["mlx_vlm.server", *rest]
-    module.main()
-    return 0
+    _exit_after(module.main)
 
 
-def _main_forces_reload(module: ModuleType) -> bool:
-    """Whether this mlx-vlm's server ``main()`` always runs uvicorn with ``reload=True`` (0.3.x's
-    does): the hook looked for is ``reload=True`` in the source of ``mlx_vlm.server.main``."""
+def _exit_after(serve: Callable[[], None]) -> NoReturn:
+    """Run ``serve`` (uvicorn), then end the process with its exit code: 0 after Ctrl+C or SIGTERM.
+
+    uvicorn shuts down gracefully on either signal, then raises it again once it returns; SIGTERM's
+    default action would end the process with 143, so it raises ``SystemExit(0)`` here instead."""
+    signal.signal(signal.SIGTERM, _exit_zero)
     try:
-        return "reload=True" in inspect.getsource(module.main)
-    except (OSError, TypeError):  # no source to read: run main() as it is
-        return False
+        serve()
+        code = 0
+    except KeyboardInterrupt:
+        code = 0
+    except SystemExit as stop:  # uvicorn's exit when it cannot start (3, an int on every pin), or SIGTERM's 0
+        code = stop.code if isinstance(stop.code, int) else 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: it aborts (std::terminate) in MLX's thread-local destructors (docs/hosts.md).
+    os._exit(code)
+
+
+def _exit_zero(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _server_module() -> ModuleType:
@@ -103,21 +102,3 @@ def _server_module() -> ModuleType:
             f"mlx-vlm {info.mlx_vlm_version} has no usable server (import mlx_vlm.server failed: {err}); "
             "mlx-vlm's server needs fastapi and uvicorn"
         ) from err
-
-
-def _legacy_server(module: ModuleType, rest: List[str]) -> int:
-    # mlx-vlm 0.3.x: main() always runs uvicorn with reload=True, which re-imports the app in
-    # a child process (losing the guard) and watches the working directory; serve the app
-    # object in this process instead. Its flags are --host and --port; --model preloads.
-    legacy = argparse.ArgumentParser(prog=f"{PROG} server", description="mlx-vlm 0.3.x server, patched.")
-    legacy.add_argument("--host", default="0.0.0.0", help="Host for the HTTP server (default: %(default)s)")
-    legacy.add_argument("--port", type=int, default=8080, help="Port for the HTTP server (default: %(default)s)")
-    legacy.add_argument("--model", help="Load this model now; requests must name it in their 'model' field.")
-    args = legacy.parse_args(rest)
-    if args.model:
-        model_ref, _ = resolve_model(args.model)
-        module.get_cached_model(model_ref)
-    import uvicorn
-
-    uvicorn.run(module.app, host=args.host, port=args.port, workers=1)
-    return 0

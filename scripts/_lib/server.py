@@ -68,11 +68,11 @@ class Process:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self) -> Optional[int]:
-        """SIGTERM to the group, then SIGKILL; returns the exit code."""
+    def stop(self, first: int = signal.SIGTERM) -> Optional[int]:
+        """``first`` (SIGTERM, or SIGINT as Ctrl+C sends it) to the group, then SIGKILL; returns the exit code."""
         if self.log.closed:  # stopped before
             return self.proc.returncode
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        for sig, wait in ((first, 20), (signal.SIGKILL, 10)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
             try:
