@@ -14,7 +14,15 @@ import numpy as np
 from .config import ModelConfig, grid_sequence, weight_key
 from .image_processing_cohere_compass import GRID_MEMO
 from .language import LanguageModel
-from .positions import IMAGE, VIDEO, Issued, get_rope_index, padding_rows
+from .positions import (
+    IMAGE,
+    VIDEO,
+    Issued,
+    get_rope_index,
+    padding_rows,
+    publish_prompt,
+    text_zeros,
+)
 from .vision import VisionModel
 
 logger = logging.getLogger(__name__)
@@ -121,9 +129,7 @@ class Model(nn.Module):
         encoded = (
             mx.concatenate([features, *deepstack], axis=-1) if deepstack else features
         )
-        FEATURE_SOURCES.mark(
-            encoded, fingerprint=_pixel_fingerprint(pixel_values, image_grid_thw)
-        )
+        FEATURE_SOURCES.mark(encoded, _pixel_fingerprint(pixel_values, image_grid_thw))
         return encoded
 
     def encode_video(
@@ -403,16 +409,7 @@ class Model(nn.Module):
         # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s
         # BatchGenerator) concatenate each key over the rows that have it, so a key only some
         # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
-        rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
-        values = set(np.asarray(deltas).reshape(-1).tolist())
-        # What the language model recognises when a host passes them back (positions.Issued).
-        self.language_model.issued.mark(
-            rope_deltas, value=values.pop() if len(values) == 1 else None
-        )
-        self.language_model.issued.mark(position_ids, prefix=prefix)
-        # As Qwen-VL models in mlx-vlm: hosts read these right after this call.
-        self.language_model._position_ids = position_ids
-        self.language_model._rope_deltas = rope_deltas
+        rope_deltas = publish_prompt(self.language_model, position_ids, deltas, prefix)
         return CompassEmbeddings.of(
             embeds,
             mask,
@@ -448,8 +445,7 @@ class Model(nn.Module):
             )
         rope_deltas = given_deltas
         if rope_deltas is None:
-            rope_deltas = mx.zeros((B, 1), dtype=mx.int64)
-            self.language_model.issued.mark(rope_deltas, value=0, text=True)
+            rope_deltas = text_zeros(self.language_model, B)
         return CompassEmbeddings.of(
             embeds,
             mask,
@@ -649,7 +645,7 @@ def _pixel_fingerprint(pixels: Any, grid: Any) -> str:
 
 def _encoded_from(features: Any, pixels: Any, grid: Any) -> Optional[bool]:
     """Whether this process encoded ``features`` from these pixels and grid (None: not known)."""
-    known = FEATURE_SOURCES.info(features).get("fingerprint")
+    known = FEATURE_SOURCES.get(features)
     return (
         None
         if known is None or grid is None
@@ -659,7 +655,7 @@ def _encoded_from(features: Any, pixels: Any, grid: Any) -> Optional[bool]:
 
 # Which pixels each live encode_image result came from: hosts cache features by path, so a file
 # changed under it arrives with the old features.
-FEATURE_SOURCES = Issued()
+FEATURE_SOURCES: Issued[str] = Issued()
 
 
 def split_image_features(

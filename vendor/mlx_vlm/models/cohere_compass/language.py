@@ -18,6 +18,7 @@ from .positions import (
     BatchRotatingKVCache,
     Issued,
     Positions,
+    chunk_of,
     is_batch_cache,
     resolve,
     whole_prompt_positions,
@@ -350,16 +351,8 @@ class LanguageModel(nn.Module):
         B, L = h.shape[:2]
         if cache is None:
             cache = [None] * len(self.model.layers)
-        positions, deepstack = resolve(
-            self,
-            cache,
-            B,
-            L,
-            position_ids,
-            rope_deltas,
-            deepstack_visual_embeds,
-            kwargs,
-        )
+        positions = resolve(self, cache, B, L, position_ids, rope_deltas, kwargs)
+        deepstack = chunk_of(self, deepstack_visual_embeds, positions.column, L)
         if is_batch_cache(cache[0]):
             per_window: Dict[Optional[int], mx.array] = {}
             for layer, c in zip(self.model.layers, cache):

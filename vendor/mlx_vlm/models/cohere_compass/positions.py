@@ -1,49 +1,63 @@
-"""Where a request's MRoPE positions come from: the one owner of cohere_compass's position state.
+"""Where a request's MRoPE positions come from: the one module that writes position state.
 
-Positions are ``[3, B, L]`` (t, h, w). Text advances all three axes by one; a picture's or a
-video patch's tokens take the indices of its merged grid (:func:`get_rope_index`), and the text
-after it continues at ``column + delta``, the request's rope delta (negative: a picture takes
-fewer positions than tokens). A forward needs, per row, explicit positions or a delta to add to
-its cache offset. The state that decides which lives in three places, each with one job:
+Positions are ``[3, B, L]`` (t, h, w). Terms:
 
-- :class:`Kept`, on the request's first cache layer (attribute ``compass_positions``): the delta its
-  tokens continue from (one per row), the column from which that delta holds (past its last
-  vision token) and the most tokens a rotating cache held. Batch caches made by ``merge`` carry
-  one delta per row through filter, extend and extract (:class:`_KeepsRowDeltas`); a first layer
-  a host rebuilt as the pin's rotating class takes the model's at its next forward, so a batch it
-  leads carries them too.
-- :class:`Issued`, a weak registry of the arrays the model itself handed out: whole-prompt
-  positions (they count from column 0), a suffix's positions (they follow ``prefix`` cached
-  tokens), deltas (their one value when every row has it), a text prompt's zeros, each delta
-  published in ``_rope_deltas`` (the column where the forward that published it ended); and of the
-  arrays a host passes whole with every prefill chunk (where each was first seen).
-- ``_rope_deltas`` / ``_position_ids`` on the language model: what Qwen-VL models in mlx-vlm
-  expose, written for hosts that read them after a prefill; read back only for a cache that
-  kept no delta (a host rebuilt it), when its rows match and it is that request's: a host
-  installed it, the cache is a batch a host merged, or the forward that published it (marked in
-  :class:`Issued` with the column it ended at) ended where this single-sequence cache continues.
+- **column**: where this forward's tokens start in the request's cache, i.e. how many tokens
+  (left padding included) it already holds: ``cache.offset`` for one sequence, the write index
+  (``_offset`` / ``_idx``) of a batch cache.
+- **offset**: the position this forward's first token takes as plain text: the column for one
+  sequence; per row, the column less that row's left padding (a batch cache's ``offset``).
+- **delta**: what a row's text adds to its offset: 0 until a picture or video patch, whose tokens
+  take the indices of its merged grid (:func:`get_rope_index`); the text after it continues at
+  ``offset + delta``, ``delta = last position + 1 - tokens`` (negative).
 
-What a forward's positions are (:func:`resolve`), by the request's state and what it is given:
+The state, and who writes it (only this module):
 
-| request \\ given | positions | a caller's deltas | the text zeros we issued | nothing |
+- :class:`Kept`, on the request's first cache layer: the delta its tokens follow (per row), the
+  column from which it holds (past the last vision token) and the most tokens the cache held.
+  Batch caches made by ``merge`` carry each row's delta through filter, extend and extract.
+- :class:`Mark` per array the model handed out, in ``lm.issued`` (a weak identity map): a whole
+  prompt's positions (count from column 0), a suffix's (follow ``prefix`` cached tokens), deltas
+  (their one value), a text prompt's zeros, the delta published in ``_rope_deltas`` (with the
+  column where that forward ended), and the column where a host first passed an array whole.
+- ``_rope_deltas`` / ``_position_ids`` on the language model, as on Qwen-VL models in mlx-vlm:
+  written for hosts that read them after a prefill (:func:`publish_prompt`, :func:`_write`).
+
+:func:`resolve` first repairs what hosts hand over: a first layer rebuilt as the pin's rotating
+class takes the model's (so a merge keeps row deltas); a batch's left padding only the prompt's
+arrays show is declared to its caches (:func:`absorb_prompt_padding`); positions whose first axis
+a host cut as a batch axis are restored (:func:`unslice_positions`); arrays passed whole with
+every chunk are cut to this chunk (:func:`chunk_of`); a batch's positions that only its picture
+rows brought get text rows at offset + own delta (:func:`fill_text_rows`). Then it reads the
+request and takes the cell:
+
+One sequence:
+
+| request \\ given | positions | a caller's deltas | our text zeros | nothing |
 | --- | --- | --- | --- | --- |
-| new (empty cache) | those (this chunk's columns) | offset + delta | offset | offset |
-| continuing its cache | those; refused if they count from another column | offset + delta | offset + kept delta if it holds here | offset + kept delta if it holds here |
-| cache set back by a host, before the kept delta holds | the same | offset + delta | offset | offset |
-| cache a host built (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if its rows match and it is this request's (a host installed it, the cache is a batch a host merged, or the forward that published it ended where this single-sequence cache continues) |
-| batch (per-row offsets) | those; rows only pictures brought are filled from ``position_rows`` | per row | per row | per-row kept deltas |
+| new (column 0) | those | offset + delta | offset | offset |
+| continuing its cache | those; refused if they count from another column | offset + delta | offset + kept delta if it holds | offset + kept delta if it holds |
+| set back by a host, before the kept delta holds | those | offset + delta | offset | offset |
+| built by a host (nothing kept) | those | offset + delta | offset | offset + ``_rope_deltas`` if it is this request's (a host installed it, or the forward that published it ended at this column) |
 
-Every forward keeps the delta its tokens used (the given one, or ``last position + 1 - tokens``
-per row after explicit positions) with the cache and in ``_rope_deltas``. A rotating cache set back
-after its ring wrapped is refused: it no longer holds the tokens before the cut.
+A batch (per-row offsets):
+
+| request \\ given | positions | a caller's deltas | our text zeros | nothing |
+| --- | --- | --- | --- | --- |
+| new | those, text rows filled | offset + delta per row | offset | offset |
+| continuing | those, text rows filled | offset + delta per row | offset + kept deltas | offset + kept deltas, else the ``_rope_deltas`` a host merged with |
+
+Then it writes once: the delta the tokens used (the given one, or ``last position + 1 - tokens``
+per row after explicit positions) with the cache and in ``_rope_deltas``. A rotating cache set
+back after its ring wrapped is refused: it no longer holds the tokens before the cut.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -164,41 +178,84 @@ BatchRotatingKVCache = (
 )
 
 
-class Issued:
-    """Arrays the model handed out (or a host passes whole), recognised by identity, held weakly."""
+T = TypeVar("T")
+
+
+class Issued(Generic[T]):
+    """A weak identity map: arrays the model handed out (or a host passes whole), each with what
+    is known of it. Arrays are not hashable by value, so they are recognised by identity."""
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Tuple[weakref.ref, Dict[str, Any]]] = {}
+        self._entries: Dict[int, Tuple[weakref.ref, T]] = {}
 
-    def mark(self, array: Any, **info: Any) -> None:
+    def mark(self, array: Any, value: T) -> None:
         key = id(array)
 
         def forget(ref: Any, key: int = key) -> None:
             if self._entries.get(key, (None,))[0] is ref:
                 del self._entries[key]
 
-        self._entries[key] = (weakref.ref(array, forget), info)
+        self._entries[key] = (weakref.ref(array, forget), value)
 
-    def info(self, array: Any) -> Dict[str, Any]:
+    def get(self, array: Any) -> Optional[T]:
         entry = self._entries.get(id(array))
-        return entry[1] if entry is not None and entry[0]() is array else {}
+        return entry[1] if entry is not None and entry[0]() is array else None
 
-    def start(self, array: mx.array, columns: int) -> int:
-        """Where this forward's tokens start in an array covering more than them: the columns
-        since it was first seen (whole-prompt positions count from column 0)."""
-        info = self.info(array)
-        if "first_column" not in info:
-            info = {**info, "first_column": 0 if info.get("whole") else columns}
-            self.mark(array, **info)
-        return columns - info["first_column"]
+
+@dataclass(frozen=True)
+class Mark:
+    """What the model knows of an array it handed out, or a host passed whole: ``whole``, a whole
+    prompt's positions (they count from column 0); ``prefix``, a suffix's (they follow that many
+    cached tokens); ``value``, a delta's one value when every row has it; ``text``, a text
+    prompt's zero deltas; ``published``, a delta published in ``_rope_deltas`` by a forward that
+    ended at column ``until`` (None: a batch); ``first_column``, where a host first passed it
+    with a chunk."""
+
+    whole: bool = False
+    prefix: int = 0
+    value: Optional[int] = None
+    text: bool = False
+    published: bool = False
+    until: Optional[int] = None
+    first_column: Optional[int] = None
+
+
+def marked(lm: Any, array: Any) -> Mark:
+    mark = lm.issued.get(array) if array is not None else None
+    return Mark() if mark is None else mark
+
+
+def publish_prompt(
+    lm: Any, position_ids: mx.array, deltas: Any, prefix: int
+) -> mx.array:
+    """What ``get_input_embeddings`` hands out for a prompt with pictures (or padded rows): its
+    positions (they follow ``prefix`` cached tokens) and per-row deltas, marked so a host passing
+    them back is recognised, and set on the language model as Qwen-VL models in mlx-vlm do
+    (hosts read them right after). Returns the deltas ``[B, 1]``."""
+    rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
+    values = set(np.asarray(deltas).reshape(-1).tolist())
+    lm.issued.mark(rope_deltas, Mark(value=values.pop() if len(values) == 1 else None))
+    lm.issued.mark(position_ids, Mark(prefix=prefix))
+    lm._position_ids, lm._rope_deltas = position_ids, rope_deltas
+    return rope_deltas
+
+
+def text_zeros(lm: Any, B: int) -> mx.array:
+    """A text prompt's deltas: zeros, marked as such (the language model leaves them for a
+    restored prefix's kept delta)."""
+    zeros = mx.zeros((B, 1), dtype=mx.int64)
+    lm.issued.mark(zeros, Mark(value=0, text=True))
+    return zeros
 
 
 class Positions:
-    """Where the tokens of one forward pass sit: a scalar or per-row offset, or [3, B, L] ids."""
+    """Where the tokens of one forward pass sit: a scalar or per-row offset, or [3, B, L] ids;
+    ``column`` is where they start in the cache."""
 
-    def __init__(self, offset: Any = 0, explicit: Optional[mx.array] = None):
+    def __init__(self, offset: Any = 0, explicit: Optional[mx.array] = None, column=0):
         self.offset = offset
         self.explicit = explicit
+        self.column = column
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
     def cos_sin(self, rotary: Any) -> Tuple[mx.array, mx.array]:
@@ -208,6 +265,69 @@ class Positions:
         return self._tables[id(rotary)]
 
 
+def chunk_of(lm: Any, array: Any, column: int, L: int) -> Any:
+    """This forward's ``L`` tokens of an array covering more (a host passes a whole prompt's
+    positions or deepstack with every chunk): from the column it was first seen at (a whole
+    prompt's positions count from column 0), recorded the first time."""
+    # Deepstack is [B, L, K, D]; positions [3, B, L] or [B, L].
+    tokens = 1 if array is not None and array.ndim == 4 else -1
+    if array is None or array.shape[tokens] == L:
+        return array
+    mark = marked(lm, array)
+    first = mark.first_column
+    if first is None:
+        first = 0 if mark.whole else column
+        lm.issued.mark(array, replace(mark, first_column=first))
+    start = column - first
+    return array[:, start : start + L] if tokens == 1 else array[..., start : start + L]
+
+
+@dataclass
+class _Request:
+    """What :func:`resolve` reads of a request before it picks the table's cell: ``offset`` an
+    int, or per row (a copy: batch caches move theirs in place); ``kept`` the cache's, empty
+    where it kept nothing; ``set_back`` a host cut the cache below what it held (one sequence);
+    ``holds`` the kept delta holds at this column."""
+
+    batched: bool
+    offset: Any
+    column: int
+    kept: Kept
+    set_back: bool
+    holds: bool
+
+    @property
+    def fresh(self) -> bool:
+        return self.column == 0
+
+
+def _repair(lm: Any, cache: List[Any], B: int, L: int, kwargs: Dict) -> None:
+    """The cache repairs the table assumes done (its first two rows of repairs)."""
+    first = cache[0]
+    if is_batch_cache(first):
+        absorb_prompt_padding(
+            cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding")
+        )
+    elif type(first) is _PinRotatingKVCache and BatchRotatingKVCache is not None:
+        # Rebuilt by a host as the pin's class (Rapid-MLX's restored prefix snapshot): the model's
+        # subclass, same state, so a merge called on it keeps every row's delta.
+        first.__class__ = lm.sliding_cache_class
+
+
+def _read(cache: List[Any]) -> _Request:
+    first = cache[0]
+    batched = is_batch_cache(first)
+    if batched:
+        offset = mx.array(first.offset)
+        column = getattr(first, "_offset", getattr(first, "_idx", 0))
+    else:
+        offset = column = first.offset if first is not None else 0
+    state = Kept() if column == 0 else (kept(first) or Kept())
+    set_back = not batched and 0 < column < state.reached
+    holds = state.delta is not None and (not set_back or _holds(state, column))
+    return _Request(batched, offset, column, state, set_back, holds)
+
+
 def resolve(
     lm: Any,
     cache: List[Any],
@@ -215,111 +335,105 @@ def resolve(
     L: int,
     position_ids: Any,
     rope_deltas: Any,
-    deepstack: Any,
     kwargs: Dict,
-) -> Tuple[Positions, Any]:
-    """The positions of this forward by the table above, and ``deepstack`` cut to its tokens;
-    keeps the delta its tokens use with the cache and in ``lm._rope_deltas``."""
-    first = cache[0]
-    batched = is_batch_cache(first)
-    if (
-        not batched
-        and type(first) is _PinRotatingKVCache
-        and BatchRotatingKVCache is not None
-    ):
-        # Rebuilt by a host as the pin's class (Rapid-MLX's restored prefix snapshot): the model's
-        # subclass, same state, so a merge called on it keeps every row's delta.
-        first.__class__ = lm.sliding_cache_class
-    if batched:
-        absorb_prompt_padding(
-            cache, kwargs.get("attention_mask"), B, L, kwargs.get("prompt_padding")
-        )
-        # A copy: batch caches update ``offset`` in place in layer 0, and every later layer must
-        # still rotate from where this chunk starts.
-        offset, columns = (
-            mx.array(first.offset),
-            getattr(first, "_offset", getattr(first, "_idx", 0)),
-        )
-    else:
-        offset = columns = first.offset if first is not None else 0
-    fresh = columns == 0
-    if fresh:
-        lm._rope_deltas = None
-    state = keep(first)
-    if state is not None and fresh:
-        state.delta, state.since = None, None
-    if deepstack is not None and deepstack.shape[1] != L:
-        start = lm.issued.start(deepstack, columns)
-        deepstack = deepstack[:, start : start + L]
-
-    # Set back by a host: the cache holds fewer tokens than it did (read only then: a decode
-    # step never reads the device for it).
-    set_back = not batched and state is not None and 0 < columns < state.reached
-    if not batched and state is not None:
-        refuse_a_ring_cut_after_it_wrapped(cache, state, columns, set_back)
-        state.reached = columns + L
-    if position_ids is not None:
-        position_ids = unslice_positions(lm._position_ids, position_ids, B, L, columns)
-        if not batched:
-            refuse_positions_after_another_prefix(
-                lm.issued, position_ids, lm._position_ids, columns
-            )
-        if position_ids.shape[-1] != L:
-            start = lm.issued.start(position_ids, columns)
-            position_ids = position_ids[..., start : start + L]
-        if position_ids.ndim == 2:
-            position_ids = mx.broadcast_to(
-                position_ids[None], (3,) + tuple(position_ids.shape)
-            )
-        if position_ids.shape[1] != B:
-            position_ids = fill_text_rows(
-                position_ids, B, L, offset, rope_deltas, kwargs
-            )
-
-    given = lm.issued.info(rope_deltas) if rope_deltas is not None else {}
-    if rope_deltas is not None and not isinstance(
-        rope_deltas, (int, np.integer, mx.array)
-    ):
-        rope_deltas = mx.array(rope_deltas)
-    holds = (
-        state is not None
-        and state.delta is not None
-        and (not set_back or _holds(state, columns))
+) -> Positions:
+    """The positions of this forward, by the table above: repairs the cache, reads the request,
+    picks the cell, then writes the request's state once (:func:`_write`)."""
+    _repair(lm, cache, B, L, kwargs)
+    request = _read(cache)
+    if not request.batched:
+        refuse_a_ring_cut_after_it_wrapped(cache, request)
+    explicit = (
+        None
+        if position_ids is None
+        else _explicit(lm, request, position_ids, rope_deltas, B, L, kwargs)
     )
-    if given.get("text") and not fresh:
-        # A text prompt's own zeros after a restored prefix (mlx-vlm 0.4.x merges them into its
-        # kwargs): the suffix continues the cache's kept delta where it holds.
-        rope_deltas = state.delta if holds else rope_deltas
-    if position_ids is not None:
+    delta = _given_delta(lm, request, rope_deltas)
+    since = request.kept.since
+    if explicit is not None:
         # The delta decode steps continue from (per row): last position + 1 - tokens so far.
         # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
-        last = position_ids.max(axis=(0, 2))
+        last = explicit.max(axis=(0, 2))
         used = (
-            (last + 1 - (offset + L)).reshape(-1, 1)
-            if rope_deltas is None
-            else rope_deltas
+            (last + 1 - (request.offset + L)).reshape(-1, 1) if delta is None else delta
         )
-        _keep(lm, state, used, None if batched else columns + L)
-        if L > 1 and not batched and state is not None:
+        if L > 1 and not request.batched:
             # Prefill only: a decoded token follows the delta, and no lazy chain grows per step.
-            state.since = _past_last_vision_token(position_ids, columns, L, state.since)
-        return Positions(explicit=position_ids), deepstack
+            since = _past_last_vision_token(explicit, request.column, L, since)
+        positions = Positions(explicit=explicit)
+    else:
+        if delta is None and not request.fresh:
+            delta = _delta_for(lm, request, B)
+        used = (
+            delta
+            if delta is not None
+            else (0 if B == 1 else mx.zeros((B, 1), mx.int32))
+        )
+        positions = _offset_by(lm, request.offset, delta, B)
+    _write(lm, cache, request, used, since, L)
+    positions.column = request.column
+    return positions
 
-    if rope_deltas is None and not fresh:
-        rope_deltas = _delta_for(lm, state, B, holds, None if batched else columns)
-    used = (
-        rope_deltas
-        if rope_deltas is not None
-        else (0 if B == 1 else mx.zeros((B, 1), mx.int32))
+
+def _explicit(
+    lm: Any, request: _Request, position_ids: Any, deltas: Any, B: int, L: int, kwargs
+) -> mx.array:
+    """Given positions as ``[3, B, L]`` for this chunk: unsliced where a host cut their first
+    axis as a batch, refused after another prefix, cut to the chunk, text rows filled."""
+    column = request.column
+    position_ids = unslice_positions(lm._position_ids, position_ids, B, L, column)
+    if not request.batched:
+        refuse_positions_after_another_prefix(lm, position_ids, column)
+    position_ids = chunk_of(lm, position_ids, column, L)
+    if position_ids.ndim == 2:
+        position_ids = mx.broadcast_to(
+            position_ids[None], (3,) + tuple(position_ids.shape)
+        )
+    if position_ids.shape[1] != B:
+        position_ids = fill_text_rows(
+            position_ids, B, L, request.offset, deltas, kwargs
+        )
+    return position_ids
+
+
+def _given_delta(lm: Any, request: _Request, given: Any) -> Any:
+    """The caller's delta; our text zeros give way to a kept delta that holds (a text prompt's
+    own zeros after a restored prefix: mlx-vlm 0.4.x merges them into its kwargs)."""
+    if given is not None and not isinstance(given, (int, np.integer, mx.array)):
+        given = mx.array(given)
+    if given is not None and marked(lm, given).text and not request.fresh:
+        return request.kept.delta if request.holds else given
+    return given
+
+
+def _write(
+    lm: Any, cache: List[Any], request: _Request, used: Any, since: Any, L: int
+) -> None:
+    """Keep ``used`` (the delta this forward's tokens follow) with the cache, with the column it
+    holds from and the cache's high mark, and publish it in ``lm._rope_deltas``, marked as ours
+    with the column where this forward ended (None for a batch cache)."""
+    # Kept as an mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
+    published = mx.array([[int(used)]]) if isinstance(used, (int, np.integer)) else used
+    column = request.column
+    single = not request.batched and isinstance(column, (int, np.integer))
+    until = int(column) + L if single else None
+    lm._rope_deltas = published
+    lm.issued.mark(
+        published, replace(marked(lm, published), published=True, until=until)
     )
-    _keep(lm, state, used, None if batched else columns + L)
-    return _offset_by(lm, offset, rope_deltas, B), deepstack
+    state = keep(cache[0])
+    if state is None:
+        return
+    state.delta = used
+    state.since = since
+    if not request.batched:
+        state.reached = request.column + L
 
 
 def _offset_by(lm: Any, offset: Any, delta: Any, B: int) -> Positions:
     if delta is None:
         return Positions(offset=offset)
-    value = lm.issued.info(delta).get("value")
+    value = marked(lm, delta).value
     if value is not None:  # one delta for every row, known without a device read
         delta = value
     if isinstance(delta, (int, np.integer)):
@@ -333,11 +447,11 @@ def _offset_by(lm: Any, offset: Any, delta: Any, B: int) -> Positions:
     return Positions(offset=mx.broadcast_to(offset + rows, (B,)))
 
 
-def _holds(state: Kept, columns: int) -> bool:
+def _holds(state: Kept, column: int) -> bool:
     since = state.since
     return (
         since is None
-        or int(since.item() if isinstance(since, mx.array) else since) <= columns
+        or int(since.item() if isinstance(since, mx.array) else since) <= column
     )
 
 
@@ -345,62 +459,43 @@ def _rows(delta: Any) -> int:
     return 1 if isinstance(delta, (int, np.integer)) else int(np.prod(delta.shape))
 
 
-def _delta_for(
-    lm: Any, state: Optional[Kept], B: int, holds: bool, columns: Any
-) -> Optional[Any]:
+def _delta_for(lm: Any, request: _Request, B: int) -> Optional[Any]:
     """The delta a continuing cache's tokens follow when none is given: none where the cache was
     set back before its kept delta holds (its text there follows the offset); else the kept one,
     or for a cache that kept none (a host rebuilt it) the module's, when its rows match and it is
-    this request's (:func:`_module_delta_for`; ``columns`` None for a batch cache)."""
-    if state is not None and state.delta is not None and not holds:
+    this request's (:func:`_module_delta_for`)."""
+    kept_delta = request.kept.delta
+    if kept_delta is not None and not request.holds:
         return None
-    for delta in (
-        state.delta if state is not None else None,
-        _module_delta_for(lm, columns),
-    ):
+    column = None if request.batched else request.column
+    for delta in (kept_delta, _module_delta_for(lm, column)):
         if delta is not None and _rows(delta) == B:
             return delta
     return None
 
 
-def _module_delta_for(lm: Any, columns: Any) -> Optional[Any]:
+def _module_delta_for(lm: Any, column: Any) -> Optional[Any]:
     """``lm._rope_deltas`` for a cache that kept no delta: one a host installed (Rapid-MLX's media
-    lane); for a batch cache (``columns`` None: a host merged request caches it rebuilt, right
-    after their prefills) the last one we published. For a single-sequence cache at ``columns``,
+    lane); for a batch cache (``column`` None: a host merged request caches it rebuilt, right
+    after their prefills) the last one we published. For a single-sequence cache at ``column``,
     one we published only when the forward that published it ended there (a host rebuilt that
     request's cache): not another request's (Rapid-MLX restores a text prompt's prefix, saved
     by an earlier server, right after serving a picture)."""
     delta = lm._rope_deltas
-    info = lm.issued.info(delta) if delta is not None else {}
-    if delta is None or columns is None or "published_until" not in info:
+    mark = marked(lm, delta)
+    if delta is None or column is None or not mark.published:
         return delta
-    until = info["published_until"]
     return (
         delta
-        if until is not None
-        and isinstance(columns, (int, np.integer))
-        and int(columns) == until
+        if mark.until is not None
+        and isinstance(column, (int, np.integer))
+        and int(column) == mark.until
         else None
     )
 
 
-def _keep(lm: Any, state: Optional[Kept], delta: Any, until: Any) -> None:
-    """Keep ``delta`` with the cache and publish it in ``lm._rope_deltas``, marked as ours with
-    the column where this forward ended (``until``; None for a batch cache or an offset we do
-    not read)."""
-    # Kept as an mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
-    published = (
-        mx.array([[int(delta)]]) if isinstance(delta, (int, np.integer)) else delta
-    )
-    lm._rope_deltas = published
-    until = int(until) if isinstance(until, (int, np.integer)) else None
-    lm.issued.mark(published, **{**lm.issued.info(published), "published_until": until})
-    if state is not None:
-        state.delta = delta
-
-
 def _past_last_vision_token(
-    position_ids: mx.array, columns: int, L: int, before: Any
+    position_ids: mx.array, column: int, L: int, before: Any
 ) -> Any:
     """The column past this chunk's last token whose position does not follow the final delta
     (a vision token), else where the delta held before (this chunk's start if unknown). Lazy."""
@@ -410,8 +505,8 @@ def _past_last_vision_token(
     past_last_off = mx.max(mx.where(off, mx.arange(1, L + 1)[None], 0))
     return mx.where(
         past_last_off > 0,
-        columns + past_last_off,
-        columns if before is None else before,
+        column + past_last_off,
+        column if before is None else before,
     )
 
 
@@ -424,14 +519,13 @@ def is_batch_cache(c: Any) -> bool:
     )
 
 
-def refuse_a_ring_cut_after_it_wrapped(
-    cache: List[Any], state: Kept, columns: int, set_back: bool
-) -> None:
+def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], request: Any) -> None:
     """Refuse a sliding-window cache set back to ``columns`` tokens after it held more than its
     window: its ring then holds the last tokens, not the first ``columns`` (mlx-vlm 0.4.4's
     ``PromptCacheState`` slices every cache to the reused prefix), and the answer would be wrong."""
     ring = next((c for c in cache if c is not None and hasattr(c, "max_size")), None)
-    if set_back and ring is not None and state.reached > ring.max_size:
+    columns, state = request.column, request.kept
+    if request.set_back and ring is not None and state.reached > ring.max_size:
         raise ValueError(
             f"The sliding-window cache was set back to {columns} tokens after it held {state.reached}, past "
             f"its window of {ring.max_size}: it no longer holds the first {columns} tokens (mlx-vlm 0.4.x's "
@@ -441,15 +535,19 @@ def refuse_a_ring_cut_after_it_wrapped(
 
 
 def refuse_positions_after_another_prefix(
-    issued: Issued, position_ids: mx.array, prompt: Any, columns: int
+    lm: Any, position_ids: mx.array, columns: int
 ) -> None:
     """Refuse positions from ``get_input_embeddings`` that do not follow the tokens the cache
     holds: a prompt's own positions (they count from its first token) on a cache that holds
     other tokens, or a suffix's positions placed after a prefix of another length."""
-    info = issued.info(position_ids)
-    if info.get("whole") or "first_column" in info or position_ids is not prompt:
+    mark = marked(lm, position_ids)
+    if (
+        mark.whole
+        or mark.first_column is not None
+        or position_ids is not lm._position_ids
+    ):
         return  # whole-prompt positions, or a prompt's array passed again with a later chunk
-    prefix = info.get("prefix", 0)
+    prefix = mark.prefix
     if columns == prefix:
         return
     if prefix:
@@ -589,7 +687,7 @@ def whole_prompt_positions(
         video_token_id=lm.video_token_id,
     )
     positions = mx.array(position_ids)
-    lm.issued.mark(positions, whole=True)
+    lm.issued.mark(positions, Mark(whole=True))
     return positions, mx.array(deltas.reshape(-1, 1))
 
 
