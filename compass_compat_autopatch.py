@@ -13,8 +13,8 @@ and for ``mlx_lm`` too when ``COMPASS_COMPAT_MLX_LM`` opts in to the mlx-lm regi
 It takes the spec the rest of ``sys.meta_path`` finds, so mlx-vlm imports exactly as without
 it, and runs ``import compass_compat`` (which applies the patch) right after mlx-vlm's package
 module has executed: on the thread that imports mlx-vlm, inside that import, so every other
-thread importing mlx-vlm meanwhile waits on the import lock and gets it patched. mlx-vlm 0.3.9
-and 0.4.4 create an MLX stream at import that belongs to the importing thread, which is why a
+thread importing mlx-vlm meanwhile waits on the import lock and gets it patched. mlx-vlm 0.4.4
+creates an MLX stream at import that belongs to the importing thread, which is why a
 host such as vMLX imports mlx-vlm lazily, on its worker.
 
 A patch that cannot apply fails the host's ``import mlx_vlm`` with its ``CompassCompatError``

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -39,6 +40,11 @@ MLX_BUILDS = (
     "install an MLX build: on Linux without a GPU pip install 'compass-compat[cpu]' (from a checkout: "
     "pip install '.[cpu]'), with CUDA 12 '[cuda]' instead ('[cuda13]' for CUDA 13); on macOS plain pip install has Metal"
 )
+
+# Older mlx-vlm releases are refused by name (README, "Supported mlx-vlm pins"); the tested ones are pins.sh's.
+OLDEST_SUPPORTED = (0, 4)
+OLDEST_TESTED = "0.4.4"
+TESTED_RELEASES = "0.4.4, 0.6.3, 0.6.12, 0.7.10"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -105,6 +111,18 @@ def _mlx_vlm_version() -> str:
     import mlx_vlm
 
     return str(mlx_vlm.__version__)
+
+
+def _refuse_unsupported(version: str) -> None:
+    """Refuse an mlx-vlm older than :data:`OLDEST_SUPPORTED` by name, before any hook is looked up."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and (int(match[1]), int(match[2])) < OLDEST_SUPPORTED:
+        raise CompassCompatError(
+            f"compass-compat does not support mlx-vlm {version}: it supports mlx-vlm "
+            f"{'.'.join(map(str, OLDEST_SUPPORTED))} and later (tested: {TESTED_RELEASES}); "
+            f"upgrade with pip install 'mlx-vlm>={OLDEST_TESTED}'; mlx-vlm was left unchanged",
+            mlx_vlm_version=version,
+        )
 
 
 def _flag_from_env(name: str) -> Tuple[bool, str]:
@@ -177,6 +195,8 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     except (ImportError, OSError) as err:
         raise CompassCompatError(f"mlx cannot load here ({type(err).__name__}: {err}): {MLX_BUILDS}") from err
     import mlx_vlm
+
+    _refuse_unsupported(_mlx_vlm_version())
     import transformers
 
     missing: List[str] = []
@@ -205,7 +225,7 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     prompt_utils = module("mlx_vlm.prompt_utils")
     model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
     message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat", lambda v: True)
-    # LIST_WITH_IMAGE_FIRST: on every mlx-vlm from 0.3.9 to 0.7.10 (qwen3_vl uses it).
+    # LIST_WITH_IMAGE_FIRST: on every mlx-vlm from 0.4.4 to 0.7.10 (qwen3_vl uses it).
     image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST", lambda v: True)
     auto_processor = need(transformers, "transformers", "AutoProcessor", lambda v: True)
     need(auto_processor, "transformers.AutoProcessor", "from_pretrained")
@@ -354,7 +374,7 @@ def is_compass_checkpoint(path: Any) -> bool:
 
 def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
     """A local cohere_compass folder gets the vendored torch-free processor, checked first
-    (``AutoProcessor`` itself: mlx-vlm 0.3.9 has no install_auto_processor_patch)."""
+    (on ``AutoProcessor.from_pretrained`` itself, which every pin has)."""
     from .load_checks import validate_load_step
 
     def from_pretrained(original: Callable[..., Any], cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -427,7 +447,7 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
     utils = importlib.import_module("mlx_vlm.utils")
     original = vars(utils).get("load_video")
     if not callable(original):
-        return  # mlx-vlm 0.3.x, 0.4.x decode no video files
+        return  # mlx-vlm 0.4.x decodes no video files
     parameters = inspect.signature(original).parameters
     if "frame_sampler" in parameters:
         return  # mlx-vlm 0.7.x asks the processor's sample_frames itself

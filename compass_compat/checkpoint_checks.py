@@ -275,7 +275,7 @@ def _check_model_type(folder: Path, config: Dict[str, Any]) -> None:
 def _check_code_keys(folder: Path, config: Dict[str, Any]) -> List[str]:
     if config.get("model_file"):
         # mlx-vlm >= 0.7 imports config.json's model_file from the checkpoint folder in
-        # get_model_and_args, with no opt-in (0.3.9 to 0.6.12 ignore the key).
+        # get_model_and_args, with no opt-in (0.4.4 to 0.6.12 ignore the key).
         raise CheckpointError(
             f"config.json in {folder} declares model_file={config['model_file']!r}: mlx-vlm >= 0.7 would "
             "execute that file. compass-compat never runs code from a checkpoint; remove the "
@@ -397,7 +397,7 @@ def _weight_files(folder: Path, roots: Tuple[str, ...]) -> Tuple[List[str], List
     files = [n for n in names if n.endswith(".safetensors") and not n.endswith("consolidated.safetensors")]
     index = _read_json(folder, INDEX_FILE, required=False)
     if index is not None:
-        # mlx-vlm >= 0.6 reads the shards named by the index (0.3.9 / 0.4.4 glob only).
+        # mlx-vlm >= 0.6 reads the shards named by the index (0.4.4 globs only).
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise _restore(folder, INDEX_FILE, " has no weight_map object")

@@ -144,7 +144,7 @@ def _decode(path: str, indices: Sequence[int]) -> List[np.ndarray]:
 def _mlx_vlm_loader() -> Optional[Callable[..., Any]]:
     """``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else None."""
     try:
-        from mlx_vlm.utils import load_video  # mlx-vlm 0.3.x, 0.4.x have none
+        from mlx_vlm.utils import load_video  # mlx-vlm 0.4.x has none
     except ImportError:
         return None
     return load_video if "frame_sampler" in inspect.signature(load_video).parameters else None

@@ -48,7 +48,7 @@ def trainer_cli_or_skip() -> str:
         # As tests/test_training_modes.py; 0.4.4's lora also selects range(iters) dataset rows.
         pytest.skip(
             "mlx-vlm < 0.5's trainer CLI cannot train an image row: 0.4.x's iterate_batches cuts every row "
-            "to 33 tokens (docs/fine-tuning.md, section 2), 0.3.x's lora drives the older Trainer class"
+            "to 33 tokens (docs/fine-tuning.md, section 2)"
         )
     if not importlib.util.find_spec("datasets"):
         pytest.skip("python -m mlx_vlm.lora needs `datasets` (mlx-vlm's train extra), not installed here")

@@ -406,7 +406,7 @@ def test_without_the_mlx_lm_registration_importing_mlx_lm_patches_nothing(probes
 
 
 def test_the_patch_starts_after_mlx_vlm_has_finished_executing(probes):
-    """Even where mlx-vlm imports mlx-lm inside its own import (0.3.9 to 0.6.3) and mlx-lm is a
+    """Even where mlx-vlm imports mlx-lm inside its own import (0.4.4 to 0.6.3) and mlx-lm is a
     target too (COMPASS_COMPAT_MLX_LM=1): the patch never sees a half-initialized mlx_vlm."""
     order = probes["order"]["order"]
     assert order.count("mlx_vlm/__init__.py done") == 1, order

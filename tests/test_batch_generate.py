@@ -4,7 +4,7 @@ gives alone.
 ``batch_generate(model, processor, prompts=questions, images=..., max_tokens=...)`` templates each
 question itself (one image for each of the first ``len(images)`` prompts), tokenizes the batch
 left-padded to one length, groups image rows by picture size and decodes greedily (its batch
-generator's default sampler is ``argmax`` on every pin that has it; 0.3.9 has none). Rows of very
+generator's default sampler is ``argmax`` on every pin). Rows of very
 different lengths, image rows with questions of different lengths (3 rows: 0.6.3 hands each row
 ``[:1]`` of the ``[3, B, L]`` positions, which keeps the right shape when B = 3) and mixed batches.
 

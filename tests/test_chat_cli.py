@@ -9,13 +9,10 @@ a text turn, ``/clear``, ``/image``, a picture turn, then a follow-up on the sam
   same message (tiny and default toy checkpoints).
 - The follow-up turn (history kept; the chat reuses its prompt cache from the previous turn)
   prints what ``stream_generate`` gives for the whole history without any cache.
-- 0.3.x's chat imports ``rich``, which that pin does not install: the chat cannot start there
-  (probed, skipped with that reason).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,9 +25,6 @@ from compass_compat import startup
 from compass_data.toy import build_toy_checkpoint
 from scripts._lib import hook_venv
 from tests.lib.cli_run import greedy_cli_output
-
-if importlib.util.find_spec("rich") is None:
-    pytest.skip("mlx_vlm.chat imports rich, which this mlx-vlm does not install (0.3.x)", allow_module_level=True)
 
 MAX_TOKENS = 12
 TEXT_PROMPT = "Hello there"

@@ -94,7 +94,7 @@ def test_remote_code_is_never_run_even_when_asked(tiny_ckpt_original, tmp_path, 
 
 
 # mlx-vlm >= 0.7 imports config.json's "model_file" from the checkpoint folder inside
-# get_model_and_args, before any compass-compat code can run; 0.3.9 to 0.6.12 ignore the key.
+# get_model_and_args, before any compass-compat code can run; 0.4.4 to 0.6.12 ignore the key.
 def test_model_file_in_config_is_never_executed(tiny_ckpt_original, tmp_path):
     marker = tmp_path / "ran"
     folder = copy_checkpoint(tiny_ckpt_original, tmp_path / "ckpt")

@@ -50,7 +50,7 @@ def host_env(**extra: str) -> Dict[str, str]:
 
 
 def generate_argv(model: Path, image: Path) -> List[str]:
-    # Flags every pin's mlx_vlm.generate accepts (0.3.9 to 0.7.10).
+    # Flags every pin's mlx_vlm.generate accepts (0.4.4 to 0.7.10).
     return [
         "-m",
         "mlx_vlm.generate",

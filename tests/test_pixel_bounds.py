@@ -192,7 +192,7 @@ def test_hand_built_processor_reads_the_tokenizer_init_kwargs(folders, images):
 
 
 def test_image_processor_from_pretrained_prefers_the_block(folders):
-    """On every pin (transformers 4.57 alone would read preprocessor_config.json first)."""
+    """On every pin, as transformers 5 picks the file."""
     ip = pc.CohereCompassImageProcessor.from_pretrained(folders["block_beats_preprocessor"])
     assert (ip.min_pixels, ip.max_pixels) == tuple(FIXTURE["cases"]["block_beats_preprocessor"]["bounds"])
 

@@ -78,8 +78,8 @@ def generation_module():
 
 
 def mlx_vlm_stream_is_thread_local() -> bool:
-    """Whether mlx-vlm makes its generation stream with ``mx.new_thread_local_stream`` (0.6 on; 0.3.9
-    and 0.4.4 make one module-level ``mx.new_stream`` at import): the hook looked for is that call in
+    """Whether mlx-vlm makes its generation stream with ``mx.new_thread_local_stream`` (0.6 on; 0.4.4
+    makes one module-level ``mx.new_stream`` at import): the hook looked for is that call in
     the source of the module defining ``generation_stream``."""
     try:
         return "new_thread_local_stream" in inspect.getsource(generation_module())
@@ -87,8 +87,7 @@ def mlx_vlm_stream_is_thread_local() -> bool:
         return False
 
 
-# Without per-thread streams, threads evaluating at once crash the process: mlx 0.30 (the 0.3.9
-# pin) with four threads of plain nn.Linear + item() (segfault in 4 of 10 runs), mlx 0.31.2 (the
+# Without per-thread streams, threads evaluating at once crash the process: mlx 0.31.2 (the
 # 0.4.4 pins) in this test's four-thread run (SIGSEGV in 3 CI runs; plain MLX only aborted at
 # exit). There the threads take turns; with per-thread streams (mlx 0.32) they run at once
 # (never failed in CI).
@@ -292,7 +291,7 @@ THREADS_SCRIPT = inspect.getsource(generation_module) + textwrap.dedent(
     concurrent = sys.argv[5] == "1"
 
     def probe():
-        # mlx-vlm 0.3.9/0.4.4 create their generation stream once, at import, with
+        # mlx-vlm 0.4.4 creates its generation stream once, at import, with
         # mx.new_stream; with mlx >= 0.31 streams belong to the thread that made them.
         errors = []
         def run():

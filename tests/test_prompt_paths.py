@@ -7,8 +7,7 @@ chat_template.jinja (the reference), never literals. Three paths:
   rendering and ids of the same messages;
 - mlx-vlm's ``prompt_utils.apply_chat_template``: it rebuilds the messages before the template
   (measured): text parts (their ``text`` or ``content``) joined into one text part, image/video
-  parts dropped and ``num_images`` image parts put first in the last user turn (0.4+; 0.3.9:
-  the first user turn, and list content taken as its Python repr). So: what reaches the
+  parts dropped and ``num_images`` image parts put first in the last user turn. So: what reaches the
   template renders as the reference renders it, and the final prompt equals the reference
   rendering of the equivalent messages listed below (where those differ from the input, mlx-vlm
   changed the meaning, not the template);
@@ -269,31 +268,9 @@ def test_video_token_without_a_video_is_a_named_error(tiny_ckpt_original):
 # ------------------------------------------------------------- mlx-vlm's apply_chat_template
 
 
-def list_content_becomes_repr(loaded) -> bool:
-    """Whether this mlx-vlm's apply_chat_template hands the template a list content whole, as the
-    text of a part, which the template renders as its repr (0.3.9), instead of its text parts
-    (0.3.10 on): the hook looked for is a non-str ``text`` in what reaches the template."""
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    processor, config = loaded
-    probe = [{"role": "user", "content": [{"type": "text", "text": "probe"}]}]
-    content = apply_chat_template(processor, config, probe, num_images=0, return_messages=True)[-1]["content"]
-    parts = content if isinstance(content, list) else [{"text": content}]
-    return any(isinstance(part, dict) and not isinstance(part.get("text", ""), str) for part in parts)
-
-
-def mlx_vlm_equivalent(case, repr_content: bool):
+def mlx_vlm_equivalent(case):
     """The messages mlx-vlm's apply_chat_template means (measured per pin; see the docstring)."""
     messages = CASES[case]
-    if repr_content:  # 0.3.9: list content becomes its repr; images open the first user turn
-        if case == "video_part":  # the video part first (compass-compat's hook), the rest as its repr
-            rest = [p for p in messages[0]["content"] if p["type"] != "video"]
-            return [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": str(rest)}]}]
-        out = [dict(m, content=m["content"] if isinstance(m["content"], str) else str(m["content"])) for m in messages]
-        if NUM_IMAGES.get(case):
-            first = next(m for m in out if m["role"] == "user")
-            first["content"] = [{"type": "image"}] * NUM_IMAGES[case] + [{"type": "text", "text": first["content"]}]
-        return out
     joined = {
         "content_only_part": [{"role": "user", "content": "not rendered Describe a compass."}],
         "system_list": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a compass."}],
@@ -320,9 +297,8 @@ def test_mlx_vlm_apply_chat_template(loaded, reference, case):
     reached = apply_chat_template(processor, config, messages, num_images=num_images, return_messages=True)
     prompt = apply_chat_template(processor, config, messages, num_images=num_images)
     assert prompt == reference(reached)  # what reaches the template renders as the reference renders it
-    repr_content = list_content_becomes_repr(loaded)
-    assert prompt == reference(mlx_vlm_equivalent(case, repr_content))
-    if not repr_content and case not in ("content_only_part", "video_part"):
+    assert prompt == reference(mlx_vlm_equivalent(case))
+    if case not in ("content_only_part", "video_part"):
         assert prompt == reference(CASES[case])  # no change of meaning
 
 
@@ -352,13 +328,12 @@ def get_chat_template(processor, messages, *args, **kwargs):
     return out
 _pu.get_chat_template = get_chat_template
 """
-# Requests each pin's server schema refuses before the template (status by pin; 0.3.x and 0.4.x
-# serve /responses). Not listed: accepted (200).
+# Requests each pin's server schema refuses before the template (status by pin; 0.4.x serves
+# /responses). Not listed: accepted (200).
 REFUSED = {
-    "chatbot_role": {"0.3": 500, "0.4": 422, "0.6": 422, "0.7": 422},
-    "unknown_role": {"0.3": 500},
-    "content_only_part": {"0.3": 500, "0.4": 422, "0.6": 422, "0.7": 422},
-    "system_list": {"0.3": 500, "0.4": 422, "0.6": 422, "0.7": 422},  # for its image part
+    "chatbot_role": {"0.4": 422, "0.6": 422, "0.7": 422},
+    "content_only_part": {"0.4": 422, "0.6": 422, "0.7": 422},
+    "system_list": {"0.4": 422, "0.6": 422, "0.7": 422},  # for its image part
 }
 
 
@@ -459,7 +434,7 @@ def server_passes_videos() -> bool:
 
 
 def test_server_video_part_is_never_rendered_silently(server, tmp_path, tiny_ckpt_original, capsys):
-    """A video part: refused by the schema (0.3-0.6.3); with upstream's processor live (0.7
+    """A video part: refused by the schema (0.4-0.6.3); with upstream's processor live (0.7
     plain) turned into frames sent as images by mlx-vlm itself; with ours (0.6.12, 0.7 forced)
     rendered as the template renders it and answered with the CLI's text for the same clip."""
     from compass_compat import cli

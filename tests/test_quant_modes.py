@@ -54,7 +54,7 @@ PROMPT = "Describe the image."
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The version thresholds the probes replaced, measured on the matrix's stacks only (CPU): mlx-vlm
-# 0.3.9's loader drops the mode (0.4.4's passes it); mlx 0.30.0's CPU quantized_matmul is wrong for
+# 0.3.9's loader dropped the mode (0.4.4's passes it); mlx 0.30.0's CPU quantized_matmul is wrong for
 # mxfp8 and nvfp4 (0.31.2's is right). Kept as data, to check the probes give the same verdicts there.
 OLD_MIN_MLX_VLM = (0, 4, 4)
 OLD_MIN_MLX = {"mxfp4": (0, 30, 0), "mxfp8": (0, 31, 2), "nvfp4": (0, 31, 2)}
@@ -211,7 +211,6 @@ def _by_dequantize(x, w, scales, biases=None, transpose=True, group_size=64, bit
 def test_wrong_kernel_is_caught_and_right_one_let_through(folders, fresh_probes, monkeypatch, name):
     mode, group, bits = MODES[name]
     quantized, _ = folders[name]
-    loader_broken = probes.loader_passes_mode(mode, group, bits).broken
     real = mx.quantized_matmul
 
     monkeypatch.setattr(mx, "quantized_matmul", _off_by_a_tenth(real))
@@ -227,13 +226,7 @@ def test_wrong_kernel_is_caught_and_right_one_let_through(folders, fresh_probes,
     monkeypatch.setattr(mx, "quantized_matmul", _by_dequantize)
     probe = probes.quant_kernel(mode, group, bits)
     assert probe.ok is True, probe.evidence
-    if loader_broken:  # 0.3.9: still refused, for the loader alone
-        with pytest.raises(CheckpointError) as info:
-            validate_checkpoint(quantized)
-        assert "loader quantizes the model without the mode" in str(info.value)
-        assert "kernels" not in str(info.value)
-    else:
-        validate_checkpoint(quantized)
+    validate_checkpoint(quantized)
 
 
 def _fake_loader(passes_mode: bool, quantizes: bool = True):

@@ -83,7 +83,7 @@ def test_cache_kind_per_layer():
 
 
 def test_padding_mask_never_removes_causality():
-    """mlx-vlm 0.3.x passes the processor's all-ones attention mask as ``mask``."""
+    """A host running the model on the whole prompt may pass the processor's all-ones attention mask as ``mask``."""
     model = lang.LanguageModel(_tiny_text())
     mx.eval(model.parameters())
     ids = mx.array([[3, 9, 4, 1, 7, 2, 8]])

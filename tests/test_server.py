@@ -2,15 +2,12 @@
 
 - An OpenAI-style request with an image data URI and text gives the same greedy text as
   ``python -m compass_compat generate`` for the same checkpoint, image and prompt.
-- Malformed image inputs get each pin's own answer, recorded below: every pin from 0.3.9
+- Malformed image inputs get each pin's own answer, recorded below: every pin from 0.4.4
   to 0.7.10 answers 500 (the image fails to load inside generation, whose handlers map
   everything to 500), and the server keeps serving.
 - Ctrl+C and SIGTERM end it with exit code 0.
 
 Routes per pin (read from each pin's server code, checked here):
-- 0.3.x: ``/responses``. Its ``/chat/completions`` passes the OpenAI content list as the
-  message text to ``apply_chat_template``, so list-format models (qwen2/3-vl, cohere_compass)
-  get the list's repr, base64 included, as their prompt.
 - 0.4.x: ``/v1/responses``. Its ``/v1/chat/completions`` calls mlx-lm's
   ``_infer_tool_parser(tokenizer.chat_template)``; mlx-lm >= 0.32 (what the pin resolves)
   takes the tokenizer there, so every chat completion fails with 500, whatever the model.
@@ -33,7 +30,7 @@ from scripts._lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_tex
 from tests.lib.cli_run import greedy_cli_output  # noqa: E402
 
 # What each pin's own server answers for an image it cannot load.
-MALFORMED_STATUS = {"0.3.9": 500, "0.4.4": 500, "0.6.12": 500, "0.7.10": 500}
+MALFORMED_STATUS = {"0.4.4": 500, "0.6.12": 500, "0.7.10": 500}
 PROMPT = "Describe the image."
 
 

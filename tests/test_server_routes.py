@@ -4,7 +4,7 @@ Each route is probed on the running server (a route the pin lacks answers 404), 
 the version number:
 - Anthropic-style ``/v1/messages`` (0.6 and later): a text and a picture request, and the
   streamed text request, give ``python -m compass_compat generate``'s greedy text.
-- The responses route (``/responses`` on 0.3.x, ``/v1/responses`` from 0.4): the same three.
+- The responses route (``/v1/responses``, 0.4 and later): the same three.
 - ``/v1/embeddings`` (0.6 and later): the pin serves ``text_embeds`` from a model's output, which
   only its embedding models produce; a generative VLM is refused by the pin by name (400), for
   text and for a picture. The same verdict in-process through the pin's own embedding loader and

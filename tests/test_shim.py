@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -374,6 +375,60 @@ def test_missing_hook_raises_and_leaves_mlx_vlm_unchanged(unpatched, monkeypatch
     assert err.value.mlx_vlm_version == MLX_VLM_VERSION
     assert shim_state() == before
     assert implementation_info().patched is False
+
+
+# The refusal a user of an mlx-vlm older than 0.4 reads.
+OLD_RELEASE_REFUSAL = (
+    "compass-compat does not support mlx-vlm {version}: it supports mlx-vlm 0.4 and later (tested: 0.4.4, 0.6.3, "
+    "0.6.12, 0.7.10); upgrade with pip install 'mlx-vlm>=0.4.4'; mlx-vlm was left unchanged"
+)
+
+
+def test_the_refusal_names_the_matrix_pins():
+    pins = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
+    tested = sorted({pin.split("-")[0] for pin in pins}, key=lambda v: tuple(map(int, v.split("."))))
+    assert f"(tested: {', '.join(tested)})" in OLD_RELEASE_REFUSAL
+
+
+@pytest.mark.parametrize("version", ["0.3.9", "0.3.12", "0.1.0"])
+def test_an_mlx_vlm_older_than_0_4_is_refused_by_name_and_left_unchanged(unpatched, monkeypatch, version):
+    monkeypatch.setattr(mlx_vlm, "__version__", version)
+    before = shim_state()
+    with pytest.raises(CompassCompatError) as err:
+        apply_patch(force_vendored=True, mlx_lm=True)
+    assert str(err.value) == OLD_RELEASE_REFUSAL.format(version=version)
+    assert err.value.mlx_vlm_version == version and err.value.hooks == ()
+    assert shim_state() == before
+    assert implementation_info().patched is False
+
+
+def test_importing_the_package_on_mlx_vlm_0_3_raises_the_refusal_alone():
+    """``import compass_compat`` in a fresh interpreter whose mlx-vlm says 0.3.9: the one-line
+    refusal, and mlx-vlm's model path and prompt-format table as they were."""
+    result = run_python(
+        """
+        import json, traceback
+        import mlx_vlm, mlx_vlm.models
+        from mlx_vlm import prompt_utils
+        mlx_vlm.__version__ = "0.3.9"
+        path, table = list(mlx_vlm.models.__path__), dict(prompt_utils.MODEL_CONFIG)
+        try:
+            import compass_compat
+            outcome = None
+        except Exception as error:
+            outcome = [type(error).__name__, str(error), traceback.extract_tb(error.__traceback__)[-1].filename]
+        print(json.dumps({
+            "outcome": outcome,
+            "path unchanged": list(mlx_vlm.models.__path__) == path,
+            "table unchanged": dict(prompt_utils.MODEL_CONFIG) == table,
+            "compass": "cohere_compass" in prompt_utils.MODEL_CONFIG,
+        }))
+        """
+    )
+    assert result["outcome"][:2] == ["CompassCompatError", OLD_RELEASE_REFUSAL.format(version="0.3.9")]
+    assert "\n" not in result["outcome"][1]
+    assert Path(result["outcome"][2]).parts[-2:] == ("compass_compat", "__init__.py")  # no frames of mlx-vlm
+    assert result["path unchanged"] and result["table unchanged"] and not result["compass"]
 
 
 class _ExplodingTable(dict):

@@ -7,9 +7,6 @@ schema's listed documents. Expected values: transformers' recorded greedy answer
 changes nothing must give them) and prefill logits (the best allowed digit), the tokenizer's ids of
 the fixed document, the schema itself.
 
-mlx-vlm 0.3.x's ``generate_step`` has no ``logits_processors`` and hands them to the model: ours
-refuses them by name.
-
 mlx-vlm's own ``response_format`` support (``mlx_vlm.structured``, 0.6+) masks the logits with
 llguidance through an MLX Metal kernel (0.6.3: llguidance's own ``llguidance.mlx`` kernel; 0.6.12
 and 0.7.x: mlx-vlm's). Without Metal it raises ``RuntimeError: [metal_kernel] No Metal back-end.``,
@@ -20,9 +17,7 @@ answer. With that one kernel replaced by a CPU mask (in process, or in the serve
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import json
 import pathlib
 import urllib.error
@@ -57,18 +52,7 @@ MAX_TOKENS = 40  # more than any listed document takes, so each answer ends at i
 NO_METAL = "[metal_kernel] No Metal back-end"
 
 
-def _generate_step():
-    return importlib.import_module("mlx_vlm.generate").generate_step
-
-
-HAS_PROCESSORS = "logits_processors" in inspect.signature(_generate_step()).parameters
 PIN_STRUCTURED = importlib.util.find_spec("mlx_vlm.structured") is not None
-needs_processors = pytest.mark.skipif(
-    not HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes no logits_processors (0.3.x)"
-)
-without_processors = pytest.mark.skipif(
-    HAS_PROCESSORS, reason="this mlx-vlm's generate_step takes logits_processors (tested above)"
-)
 needs_pin_structured = pytest.mark.skipif(
     not PIN_STRUCTURED, reason="this mlx-vlm has no mlx_vlm.structured (response_format came in 0.6)"
 )
@@ -122,7 +106,6 @@ def _cut_at_eos(ids, eos: List[int]) -> List[int]:
     return ids if end is None else ids[: end + 1]
 
 
-@needs_processors
 @pytest.mark.parametrize("name", ["text_short", "img_448"])
 def test_identity_processor_gives_the_reference_greedy_tiny(tiny, reference, fixture_images, name):
     """A processor that changes nothing: the ids are transformers' greedy ids, as without it."""
@@ -138,7 +121,6 @@ def test_identity_processor_gives_the_reference_greedy_tiny(tiny, reference, fix
     check_calls(identity, case["input_ids"].reshape(-1).tolist(), got, tiny.vocab, tiny.eos)
 
 
-@needs_processors
 @pytest.mark.parametrize("question", ["Say hello.", "describe", "count"])
 def test_identity_processor_gives_the_reference_answer_default(default, question):
     """The default checkpoint: transformers' recorded answer (text, or a question on the demo)."""
@@ -153,7 +135,6 @@ def test_identity_processor_gives_the_reference_answer_default(default, question
     check_calls(identity, default.prompt_ids(), got, default.vocab, default.eos)
 
 
-@needs_processors
 @pytest.mark.parametrize("which", ["tiny", "default"])
 def test_fixed_document_through_generate(request, which):
     """``generate`` with a processor that allows only the tokenizer's ids of FIXED, then EOS: the
@@ -176,7 +157,6 @@ def test_fixed_document_through_generate(request, which):
     check_calls(fixed, fixed.calls[0].context, target, ours.vocab, ours.eos)
 
 
-@needs_processors
 @pytest.mark.parametrize(
     "which, text, with_image",
     [
@@ -199,7 +179,6 @@ def test_schema_mask_through_stream_generate(request, which, text, with_image):
     assert mask.calls[-1].context[-1] in ours.eos  # stopped at its end of sequence, not max_tokens
 
 
-@needs_processors
 @pytest.mark.parametrize("name", ["text_short", "img_448"])
 def test_digit_document_takes_the_references_best_digit(tiny, reference, fixture_images, name):
     """A one-digit document: the digit is the best of the ten by transformers' recorded logits of
@@ -214,31 +193,6 @@ def test_digit_document_takes_the_references_best_digit(tiny, reference, fixture
     assert ids[0] == want and ids[1:] == tiny.eos[:1]
     answer = tiny.tokenizer.decode(ids, skip_special_tokens=True)
     assert matches(DIGIT_SCHEMA, json.loads(answer))
-
-
-# --------------------------------------------------------------------------- pins without processors
-@without_processors
-def test_no_processors_pin_refuses_by_name_ours(tiny):
-    """0.3.x's generate_step hands ``logits_processors`` on to the model's forward pass: ours
-    refuses them by name."""
-    prompt = tiny.tokenizer.encode(tiny.prompt("Hello there!", []), add_special_tokens=False)
-    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
-    steps = _generate_step()(mx.array([prompt]), tiny.loaded[0], None, None, logits_processors=[fixed])
-    with pytest.raises(TypeError, match="logits_processors reached cohere_compass"):
-        next(steps)
-    assert not fixed.calls
-
-
-@without_processors
-@cpu_only
-def test_no_processors_pin_swallows_the_refusal_on_cpu(tiny):
-    """0.3.x's stream_generate without Metal ends in ``wired_limit``, whose ``finally: return``
-    drops any exception: the refusal becomes an empty stream (the pin's), not an answer."""
-    from mlx_vlm import stream_generate
-
-    fixed = FixedIds(tiny.tokenizer.encode(FIXED, add_special_tokens=False), tiny.eos)
-    prompt = tiny.prompt("Hello there!", [])
-    assert list(stream_generate(*tiny.loaded, prompt, max_tokens=8, logits_processors=[fixed])) == []
 
 
 # --------------------------------------------------------------------------- the pin's llguidance mask
@@ -285,20 +239,9 @@ def _server_has_response_format() -> bool:
     return PIN_STRUCTURED and any("_build_structured_logits_processors" in f.read_text() for f in files)
 
 
-def _chat_route() -> str:
-    """The pin's chat-completions route (0.3.x serves it without the /v1 prefix)."""
-    from mlx_vlm import server
-
-    path = pathlib.Path(server.__file__)
-    files = [path] if path.name != "__init__.py" else sorted(path.parent.glob("*.py"))
-    return (
-        "/v1/chat/completions" if any('"/v1/chat/completions"' in f.read_text() for f in files) else "/chat/completions"
-    )
-
-
 def _post(server, body: dict) -> tuple:
     try:
-        with urllib.request.urlopen(server.request(body, route=_chat_route()), timeout=120) as r:
+        with urllib.request.urlopen(server.request(body, route="/v1/chat/completions"), timeout=120) as r:
             return r.status, r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode("utf-8", "replace")
@@ -372,7 +315,7 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
 
 
 def test_server_without_response_format_ignores_it(tmp_path):
-    """A pin whose server has no response_format (0.3.x, 0.4.x) accepts the field (its request
+    """A pin whose server has no response_format (0.4.x) accepts the field (its request
     models allow extra fields) and answers unconstrained: transformers' plain answer, not JSON.
     The field never reaches the model, so only the pin could refuse it."""
     case = TOY_REFERENCE["text_only"][0]

@@ -63,7 +63,7 @@ def sources(tiny_ckpt_original, tiny_ckpt_mlx):
 @pytest.fixture(scope="module")
 def skips_sanitize(folders) -> bool:
     """Whether this mlx-vlm's load_model leaves files whose metadata says format "mlx" unsanitized
-    (measured: 0.4.4 and 0.6.3 do; 0.3.9, 0.6.12, 0.7.10 always call it): the pin's loader, without
+    (measured: 0.4.4 and 0.6.3 do; 0.6.12, 0.7.10 always call it): the pin's loader, without
     the checks, run on an MLX-layout folder with the package's Model.sanitize spied on."""
     import importlib
 

@@ -4,8 +4,7 @@ The batch is built and the loss computed by the installed pin's trainer code (it
 its batching, its loss function), on our model; the expected losses and gradients are
 transformers' (tests/fixtures/training, scripts/reference/training_loss.py) for the same
 conversation, image and checkpoint. The trainer is probed by module, not by version: 0.4.x-0.6.x
-``mlx_vlm.trainer.sft_trainer``, 0.7.x ``mlx_vlm.trainer.vlm.sft``; 0.3.x's older ``Trainer``
-class is not driven here (the test says so when it skips).
+``mlx_vlm.trainer.sft_trainer``, 0.7.x ``mlx_vlm.trainer.vlm.sft``.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ def pin_trainer() -> PinTrainer:
         return _trainer_07()
     if _has("mlx_vlm.trainer.sft_trainer") and _has("mlx_vlm.trainer.datasets"):
         return _trainer_06()
-    pytest.skip("this mlx-vlm has no sft trainer these tests drive (0.3.x's Trainer class takes other inputs)")
+    pytest.fail("this mlx-vlm has neither mlx_vlm.trainer.vlm.sft nor mlx_vlm.trainer.sft_trainer")
 
 
 def rows(trainer: PinTrainer) -> list:

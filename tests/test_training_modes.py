@@ -48,7 +48,7 @@ if not importlib.util.find_spec(probe_modes.NEW_CLI):
     if Version(mlx_vlm.__version__) < Version("0.5"):
         pytest.skip(
             "mlx-vlm < 0.5's trainer CLI cannot train an image row: 0.4.x's iterate_batches cuts every row "
-            "to 33 tokens (docs/fine-tuning.md, section 2), 0.3.x's lora drives the older Trainer class",
+            "to 33 tokens (docs/fine-tuning.md, section 2)",
             allow_module_level=True,
         )
     if not importlib.util.find_spec("datasets"):

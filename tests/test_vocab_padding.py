@@ -5,8 +5,7 @@ has the same shape of gap (``tokenizer_vocab_size()`` entries, more rows). The h
 so a padding row can win the argmax at temperature > 0 (or greedily, as here). The logits stay
 the reference's (no masking); decoding follows the reference tokenizer, which decodes such an
 id to '' (measured on every pin). mlx-vlm's own BPEStreamingDetokenizer (chosen for the
-tokenizer's ByteLevel decoder from 0.4) raises IndexError on it; 0.3.9's
-NaiveStreamingDetokenizer does not. Our processor guards whatever detokenizer
+tokenizer's ByteLevel decoder) raises IndexError on it. Our processor guards whatever detokenizer
 ``load_processor`` assigns (``processor.detokenizer``).
 
 A checkpoint whose padding rows win: the tiny checkpoint with its padding embedding rows
@@ -111,13 +110,9 @@ def test_the_pins_own_detokenizer_unguarded(loaded, reference_tokenizer):
     original = type(processor.detokenizer)._compass_original_class
     bare = original(reference_tokenizer)
     bare.reset()
-    if issubclass(original, BPEStreamingDetokenizer):  # 0.4 and later for a ByteLevel tokenizer.json
-        with pytest.raises(IndexError):
-            bare.add_token(len(reference_tokenizer) + 3)
-    else:  # 0.3.9: NaiveStreamingDetokenizer decodes through the tokenizer
+    assert issubclass(original, BPEStreamingDetokenizer)  # for a ByteLevel tokenizer.json
+    with pytest.raises(IndexError):
         bare.add_token(len(reference_tokenizer) + 3)
-        bare.finalize()
-        assert bare.text == ""
 
 
 def test_guard_keeps_the_detokenizer_interface(loaded):
@@ -130,8 +125,8 @@ def test_guard_keeps_the_detokenizer_interface(loaded):
         assert hasattr(detokenizer, name), name
     processor.detokenizer = detokenizer  # assigning again does not wrap twice
     assert type(processor.detokenizer) is type(detokenizer)
-    # Where mlx-vlm copies it per request (tokenizer_utils.make_streaming_detokenizer, 0.6 on; 0.3.9's
-    # naive detokenizer cannot be copied at all), the copy keeps the guard.
+    # Where mlx-vlm copies it per request (tokenizer_utils.make_streaming_detokenizer, 0.6 on), the
+    # copy keeps the guard.
     if hasattr(importlib.import_module("mlx_vlm.tokenizer_utils"), "make_streaming_detokenizer"):
         twin = copy.copy(detokenizer)
         assert type(twin) is type(detokenizer) and twin._compass_vocab_size == len(processor.tokenizer)

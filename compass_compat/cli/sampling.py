@@ -8,7 +8,7 @@ import inspect
 from typing import Callable, Dict, Optional
 
 from .. import implementation_info
-from .common import CliError, bounded
+from .common import bounded
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
 
@@ -16,7 +16,7 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
 _UNSET_SAMPLING = (
     "as the installed mlx-vlm's generate: mlx-vlm 0.7.10 takes the checkpoint's generation_config.json "
     "(greedy if it says do_sample false), else temperature 0, top-p 1, top-k 0; mlx-vlm 0.6.12 and older "
-    "use those fixed defaults (0.3.9 has no top-k); --verbose prints the values used"
+    "use those fixed defaults; --verbose prints the values used"
 )
 
 
@@ -70,16 +70,8 @@ def _generate_step_defaults() -> Dict[str, float]:
 
 
 def given_sampling(args: argparse.Namespace) -> Dict[str, float]:
-    """The sampling flags the user passed (as stream_generate keywords); refused where mlx-vlm lacks one."""
-    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    if given and not unset_sampling_follows_checkpoint():
-        # mlx-vlm 0.3.x: no top_k, and generate_step's **kwargs would swallow it silently.
-        missing = [name for name in given if name not in _generate_step_defaults()]
-        if missing:
-            version = implementation_info().mlx_vlm_version
-            flags = ", ".join("--" + name.replace("_", "-") for name in missing)
-            raise CliError(f"{flags}: mlx-vlm {version}'s generate has no {', '.join(missing)} sampling option")
-    return given
+    """The sampling flags the user passed (as stream_generate keywords)."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
 
 
 def sampling_settings(config, given: Dict[str, float]) -> Dict[str, float]:

@@ -118,7 +118,7 @@ def run_decode(model, cache, case: Case, first: np.ndarray, style: Callable, ste
 
 
 def prefill_whole(model, case: Case, cache) -> np.ndarray:
-    """mlx-vlm 0.3.x generate, oMLX: ``Model.__call__`` on the whole prompt."""
+    """oMLX: ``Model.__call__`` on the whole prompt."""
     return last(model(case.ids, case.pixels, cache=cache, **case.extra))
 
 

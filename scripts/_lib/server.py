@@ -23,13 +23,7 @@ import mlx_vlm
 from packaging.version import Version
 
 VERSION = Version(str(mlx_vlm.__version__))
-ROUTE = (
-    "/responses"
-    if VERSION < Version("0.4")
-    else "/v1/responses"
-    if VERSION < Version("0.5")
-    else "/v1/chat/completions"
-)
+ROUTE = "/v1/responses" if VERSION < Version("0.5") else "/v1/chat/completions"
 MAX_TOKENS = 12  # a request's max_tokens unless told
 START_TIMEOUT = 240  # seconds; mlx-vlm 0.7.10 + transformers 5 import slowly on a busy CPU
 REQUEST_TIMEOUT = 120
@@ -219,7 +213,7 @@ def data_uri(raw: bytes, media: str = "image/png") -> str:
 
 # --------------------------------------------------------------------------- routes beyond chat completions
 # Where each route may be, first found wins (a route the pin lacks answers 404).
-ROUTE_PATHS = {"messages": ("/v1/messages",), "responses": ("/v1/responses", "/responses")}
+ROUTE_PATHS = {"messages": ("/v1/messages",), "responses": ("/v1/responses",)}
 
 
 def send(server: Server, route: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> Tuple[int, bytes]:

@@ -4,7 +4,7 @@
 # version (e.g. 0.4.4-tf5.17). It lives in .venvs/mlxvlm-<name>; the exact versions it resolved
 # are recorded in scripts/env/constraints/mlxvlm-<name>.txt (scripts/env/build.sh). Each requirement
 # set is what a real host resolves (see README "Supported mlx-vlm pins").
-ALL_ENVS=(0.3.9 0.4.4 0.4.4-tf5.17 0.6.3 0.6.12 0.7.10 0.7.10-notorch)
+ALL_ENVS=(0.4.4 0.4.4-tf5.17 0.6.3 0.6.12 0.7.10 0.7.10-notorch)
 # The environment that also holds torch + transformers >= 5.21 (the reference oracle). The matrix
 # runs only the tests marked `reference` there (tests/conftest.py); 0.7.10-notorch runs the rest.
 REFERENCE_ENV=0.7.10
@@ -14,8 +14,6 @@ TORCH_REQUIREMENT="torch==2.13.0"
 env_requirements() {
   local common="safetensors numpy pillow"
   case "$1" in
-    # oldest practical release; transformers 4.x
-    0.3.9)        echo "mlx[cpu]==0.30.0 mlx-vlm==0.3.9 mlx-lm==0.28.4 transformers==4.57.6 $common" ;;
     # mlx-omni-server 0.5.x: mlx-vlm<0.5, mlx-lm>=0.31.2,<0.32, transformers>=5.5,<5.9; mlx<0.32 (darwin)
     0.4.4)        echo "mlx[cpu]>=0.31.2,<0.32 mlx-vlm==0.4.4 mlx-lm>=0.31.2,<0.32 transformers>=5.5,<5.9 $common" ;;
     # mlx-openai-server 1.8.x: mlx-vlm<0.5, mlx-lm>=0.31.3,<0.32, mlx<0.32 (via mflux), transformers 5.17

@@ -7,7 +7,7 @@ end, and a post-processor that prepends <BOS_TOKEN>. The file set and the tokeni
 keys are the published checkpoint's (``tokenizer_class: CohereTokenizer``, ``backend:
 tokenizers``, no ``add_bos_token``, ``padding_side: right``, ``min_pixels``/``max_pixels``), and
 chat_template.jinja renders as the published template does. Written by hand (not by a
-transformers ``save_pretrained``) so that transformers 4.57 and 5.x load them alike.
+transformers ``save_pretrained``) so that every pin's transformers loads them alike.
 
 Run once, then commit the output:  python scripts/package_data/tiny_tokenizer.py
 Needs only the ``tokenizers`` package.

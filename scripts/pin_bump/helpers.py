@@ -364,7 +364,7 @@ def render_md(r: Dict[str, Any]) -> str:
 
 def cmd_report(work: str, out_base: str) -> int:
     report = build_report(Path(work))
-    base = Path(out_base)  # "<dir>/0.3.11": a version, not a suffix
+    base = Path(out_base)  # "<dir>/0.7.11": a version, not a suffix
     base.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{base}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     Path(f"{base}.md").write_text(render_md(report), encoding="utf-8")

@@ -2,7 +2,7 @@
 # Every published mlx-vlm release in a range through scripts/pin_bump/pin_bump.sh, one at a time, into one table.
 #
 # Usage: scripts/pin_bump/release_sweep.sh [FROM] [TO] [--resolve recipe|host] [--tests sweep|full|none] [--commit]
-#   FROM, TO      release range, inclusive (default 0.3.9 .. latest); the registry lists the releases
+#   FROM, TO      release range, inclusive (default 0.4.4 .. latest); the registry lists the releases
 #   --resolve     recipe (default): each release with the requirements of the matrix environment at or
 #                 below it (scripts/env/pins.sh, mlx-vlm swapped), or from its own metadata where they
 #                 conflict; host: as a host resolves it (the newest mlx, mlx-lm, transformers it allows)
@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$resolve" in recipe|host) ;; *) echo "[sweep] --resolve takes recipe or host" >&2; exit 2 ;; esac
-from="${range[0]:-0.3.9}"; to="${range[1]:-latest}"
+from="${range[0]:-0.4.4}"; to="${range[1]:-latest}"
 index="$("$py" -m pip index versions mlx-vlm 2>/dev/null)" || { echo "[sweep] could not ask the registry" >&2; exit 2; }
 [ "$to" != latest ] || to="$("$py" "$helper" latest <<<"$index")"
 mapfile -t releases < <("$py" "$helper" releases "$from" "$to" <<<"$index" | "$py" "$helper" spread)

@@ -73,5 +73,5 @@ def mlx_vlm_run(path: Path, seed: int = 0, **sampling) -> Run:
     pieces, seen = [], {}
     for result in stream_generate(model, processor, prompt, max_tokens=MAX_TOKENS, **sampling):
         pieces.append(result.text)
-        seen.setdefault(result.generation_tokens, int(result.token))  # 0.3.x repeats the last token
+        seen.setdefault(result.generation_tokens, int(result.token))  # a token once, whatever the pin yields
     return Run("".join(pieces), [seen[k] for k in sorted(seen)])

@@ -466,14 +466,6 @@ class Model(nn.Module):
         cache=None,
         **kwargs,
     ):
-        if kwargs.get("logits_processors") is not None:
-            # compass-compat: mlx-vlm 0.3.x's generate_step has no logits_processors and hands
-            # unknown options to the model: refused, never a silently unconstrained answer.
-            raise TypeError(
-                "logits_processors reached cohere_compass's forward pass: this mlx-vlm's generate_step "
-                "does not take them (0.3.x), so the answer would be unconstrained. Use mlx-vlm 0.4 or "
-                "later for logits_processors (0.6 or later for the server's response_format)"
-            )
         try:
             emb = self.get_input_embeddings(
                 input_ids, pixel_values, mask=mask, **kwargs

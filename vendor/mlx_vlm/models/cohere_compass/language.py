@@ -159,8 +159,9 @@ def _kv_group_advice(head_dim: int, group_size: int) -> str:
 
 
 class MaskBuilder:
-    """A forward's masks by (queries, keys, window). A 2-D padding mask (mlx-vlm 0.3.x passes the
-    processor's) is only ANDed into the causal mask; batch caches make theirs (``per_window``)."""
+    """A forward's masks by (queries, keys, window). A 2-D padding mask (a host running the model
+    on the whole prompt may pass the processor's) is only ANDed into the causal mask; batch caches
+    make theirs (``per_window``)."""
 
     def __init__(
         self,
@@ -367,9 +368,7 @@ class LanguageModel(nn.Module):
                 mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
             )
             if padding is not None and not isinstance(padding, mx.array):
-                padding = mx.array(
-                    padding
-                )  # the processor's numpy attention_mask (mlx-vlm 0.3.x)
+                padding = mx.array(padding)  # the processor's attention_mask is numpy
             masks = MaskBuilder(padding)
         h = self.model(h, positions, masks, cache, deepstack)
         keep = kwargs.get("logits_to_keep") or 0

@@ -136,60 +136,12 @@ def _video_call_defaults(values: dict) -> dict:
 
 
 def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path), trust_remote_code=False, local_files_only=True
-        )
-    except (ValueError, KeyError, OSError) as err:
-        # transformers 4.57 cannot resolve a tokenizer from an unknown model_type; tokenizer.json is enough.
-        if not (path / "tokenizer.json").is_file():
-            raise
-        logger.warning(
-            "AutoTokenizer failed for %s (%s); loading tokenizer.json directly",
-            path,
-            err,
-        )
-        extra = (read_json(path / "tokenizer_config.json") or {}).get(
-            "extra_special_tokens"
-        )
-        # A list (transformers 5's format) is what 4.57 calls additional_special_tokens.
-        legacy = (
-            {"extra_special_tokens": {}, "additional_special_tokens": extra}
-            if isinstance(extra, list)
-            else {}
-        )
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(
-            str(path), local_files_only=True, **legacy
-        )
-    if (read_json(path / "tokenizer_config.json") or {}).get("tokenizer_class") in (
-        "CohereTokenizer",
-        "CohereTokenizerFast",
-    ):
-        _as_transformers5_cohere(tokenizer)
-    return without_double_bos(tokenizer)
-
-
-def _as_transformers5_cohere(tokenizer) -> None:
-    """Give ``tokenizer`` the pipeline transformers 5's ``CohereTokenizer`` builds whatever
-    tokenizer.json says (NFC, digits split one by one, byte-level); older classes keep the file's."""
-    if type(tokenizer).__name__ == "CohereTokenizer" or not hasattr(
-        tokenizer, "backend_tokenizer"
-    ):
-        return  # transformers 5's own class, or a slow tokenizer
-    from tokenizers import decoders, normalizers, pre_tokenizers
-
-    prefix = bool(getattr(tokenizer, "add_prefix_space", False))
-    backend = tokenizer.backend_tokenizer
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=prefix, trim_offsets=True),
-        ]
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=False, local_files_only=True
     )
-    backend.decoder = decoders.ByteLevel(add_prefix_space=prefix, trim_offsets=True)
+    return without_double_bos(tokenizer)
 
 
 def without_double_bos(tokenizer):
@@ -339,7 +291,6 @@ class CohereCompassProcessor:
             else CohereCompassVideoProcessor()
         )
         self.tokenizer = without_double_bos(tokenizer)
-        # An instance attribute: mlx-vlm 0.3.9 looks for it in __dict__.
         self.chat_template = (
             chat_template
             if chat_template is not None
