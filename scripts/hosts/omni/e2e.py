@@ -22,6 +22,11 @@ the documentation says a user gets, as observed facts, and exits 0 only when eve
   cache, `chat/mlx/prompt_cache.py`), not as `generate` does; a picture part
   `image_url: {url}` gets 422; a picture part `image_url: "<data URI>"` (the string form its schema
   lets through) is answered from the text alone (same prompt tokens as the text without it);
+- phase `gemma4_name` (`COMPASS_COMPAT_AUTOPATCH=1` only, the same checkpoint in a folder whose
+  name ends in `-gemma4`, which the host's name rule sends to `mlx_vlm.load`): text equals
+  `generate`, twice; a picture sent as `image_url: "<data URI>"` equals `generate` with it;
+  `image_url: {url}` still gets 422; a streamed request gets no text (the host raises
+  "Streaming is not yet supported for VLM-only models" after the 200);
 - phase `control` (a random llama checkpoint, no opt-in, no compass-compat): the same request
   sent three times: the first answer is mlx-lm's for its prompt with the second BOS, the
   repeats mlx-lm's with the last prompt token twice, so both defects are the host's; each reply
@@ -62,6 +67,7 @@ from scripts.hosts.common.e2e import (  # noqa: E402
     git_revision,
     log,
     markdown_table,
+    post_chat,
     prepare_model_dir,
     print_table,
     read_probes,
@@ -255,22 +261,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     env.pop(MLX_LM, None)
     vendor_dir = vendor_root().resolve()
 
+    # The host's name rule (`_is_vlm_model`): a path that contains "gemma4" goes to mlx_vlm.load.
+    named_dir = out / "models" / f"{model_dir.name}-gemma4"
+    shutil.rmtree(named_dir, ignore_errors=True)
+    shutil.copytree(model_dir, named_dir)
     reference: Dict[str, Optional[str]] = {}
-    for text in (SEA, SHAPE):
-        got, err = expected_text(model_dir, Case("ref", [], text, ""), args.max_tokens, env)
+    for key, case in {
+        SEA: Case("ref", [], SEA, ""),
+        SHAPE: Case("ref", [], SHAPE, ""),
+        PICTURE: Case("ref", [PICTURE], SHAPE, ""),
+    }.items():
+        got, err = expected_text(model_dir, case, args.max_tokens, env)
         if err:
-            log(NAME, f"reference for {text!r}: {err}")
+            log(NAME, f"reference for {case.images} {case.text!r}: {err}")
             return 2
-        reference[text] = got
+        reference[key] = got
     ids = prompt_ids(model_dir, SEA)
     replayed = mlx_lm_answers(model_dir, ids["host"], args.max_tokens)["twice"]
     log(NAME, f"reference answers: {reference}; prompt of {SEA!r}: reference {len(ids['ref'])} tokens")
 
     checks: List[Check] = []
+    server_port: List[int] = [0]
     phases: Dict[str, Dict[str, Any]] = {}
 
     def run(phase: str, extra: Dict[str, str], opted_in: bool, steps: Callable[[Callable, Process], None]) -> None:
         port = free_port()
+        server_port[:] = [port]
         probe_dir = out / f"probe-{phase}"
         shutil.rmtree(probe_dir, ignore_errors=True)
         probe_dir.mkdir(parents=True)
@@ -381,14 +397,48 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"mlx-lm, {args.max_tokens} tokens: {llama['host']!r} / {llama['twice']!r}",
         )  # fmt: skip
 
+    def gemma4_name(send: Callable, server: Process) -> None:
+        named = str(named_dir)
+        answers = [send(body(named, SEA, args.max_tokens)) for _ in range(2)]
+        check(
+            "gemma4_name", "g1-g2", "text, sent twice", f"= generate both times: {show(reference[SEA], args.width)}, {len(ids['ref'])} prompt tokens",
+            [a.get("text") for a in answers] == [reference[SEA]] * 2 and answers[0].get("prompt_tokens") == len(ids["ref"]),
+            " / ".join(reply_text(a) for a in answers), f"prompt tokens {[a.get('prompt_tokens') for a in answers]}",
+        )  # fmt: skip
+        r = send(body(named, picture_parts(SHAPE, as_string=True), args.max_tokens))
+        check(
+            "gemma4_name", "g3", 'image_url "<data URI>" + text', f"= generate with the picture: {show(reference[PICTURE], args.width)}",
+            not r.get("error") and r.get("text") == reference[PICTURE], reply_text(r), f"{r.get('prompt_tokens')} prompt tokens",
+        )  # fmt: skip
+        r = send(body(named, picture_parts(SHAPE, as_string=False), args.max_tokens))
+        check(
+            "gemma4_name", "g4", "image_url {url} + text", "HTTP 422 (request schema)",
+            (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
+        )  # fmt: skip
+        offset = server.log_size()
+        r = post_chat(
+            f"http://127.0.0.1:{server_port[0]}",
+            dict(body(named, SEA, args.max_tokens), stream=True),
+            {},
+            args.request_timeout,
+        )
+        time.sleep(0.3)
+        refused = "Streaming is not yet supported for VLM-only models" in server.log_since(offset)
+        check(
+            "gemma4_name", "g5", "text, streamed", "no text (the stream ends without [DONE]; log: streaming not supported)",
+            not r.get("text") and bool(r.get("error")) and refused, reply_text(r),
+        )  # fmt: skip
+
     run("autopatch", {}, True, autopatch)
     run("mlx_lm", {MLX_LM: "1"}, True, mlx_lm)
+    run("gemma4_name", {}, True, gemma4_name)
     run("control", {}, False, control)
-    if not phases["mlx_lm"]["probe_ok"]:
-        for c in checks:
-            if c.phase == "mlx_lm":
-                c.holds = "NO"
-                c.notes.append("probe: " + phases["mlx_lm"]["probe"])
+    for phase in ("mlx_lm", "gemma4_name"):  # the phases that load the model
+        if not phases[phase]["probe_ok"]:
+            for c in checks:
+                if c.phase == phase:
+                    c.holds = "NO"
+                    c.notes.append("probe: " + phases[phase]["probe"])
 
     rows = [("host", "check", "documented", "got", "holds", "notes")]
     rows += [(NAME, f"{c.phase}/{c.name} {c.what}", c.documented, c.got, c.holds, "; ".join(c.notes)) for c in checks]
