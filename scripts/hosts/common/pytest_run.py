@@ -10,7 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 # The module that tells the host is installed in this interpreter, per host.
-HOST_MODULES = {"lmstudio": "mlx_engine.server", "omlx": "omlx", "rapid_mlx": "rapid_mlx", "vmlx": "vmlx_engine"}
+HOST_MODULES = {
+    "lmstudio": "mlx_engine.server",
+    "omlx": "omlx",
+    "omni": "mlx_omni_server",
+    "rapid_mlx": "rapid_mlx",
+    "vmlx": "vmlx_engine",
+}
 
 
 def host_installed(host: str) -> bool:
