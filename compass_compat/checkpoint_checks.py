@@ -348,7 +348,7 @@ def pixel_bounds(
 
 
 def _check_image_settings(folder: Path) -> None:
-    module = processing_module()
+    module = vendored_module("image_processing_cohere_compass")
     settings, source = module.image_processor_settings(
         _read_json(folder, "processor_config.json", required=False),
         _read_json(folder, "preprocessor_config.json", required=False),
