@@ -348,7 +348,7 @@ def pixel_bounds(
 
 
 def _check_image_settings(folder: Path) -> None:
-    module = processing_module()
+    module = vendored_module("image_processing_cohere_compass")
     settings, source = module.image_processor_settings(
         _read_json(folder, "processor_config.json", required=False),
         _read_json(folder, "preprocessor_config.json", required=False),
@@ -594,8 +594,8 @@ def _metadata(folder: Path, name: str) -> Dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install
-# loads one is measured by compass_compat.probes (docs/testing.md).
+# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install's
+# loader passes the mode is measured by compass_compat.probes (docs/testing.md).
 QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 
 
@@ -623,23 +623,12 @@ def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> 
     from . import probes
 
     loader = probes.loader_passes_mode(mode, group, bits)
-    kernel = probes.quant_kernel(mode, group, bits)
-    why, need = [], []
     if loader.broken:
-        why.append(
-            f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode, so the {mode} weights do not fit it"
-        )
-        need.append("an mlx-vlm whose load_model passes quantization['mode'] to mlx.nn.quantize")
-    if kernel.broken:
-        why.append(f"mlx {mlx}'s {mode} kernels compute wrong results on this device")
-        need.append(f"an mlx whose {mode} quantized_matmul matches mx.dequantize")
-    if why:
         raise CheckpointError(
-            f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: "
-            + "; ".join(why)
-            + " (measured: "
-            + "; ".join(p.evidence for p in (loader, kernel) if p.broken)
-            + f"). Load it with {' and '.join(need)}, {affine}",
+            f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: mlx-vlm {mlx_vlm}'s "
+            f"loader quantizes the model without the mode, so the {mode} weights do not fit it (measured: "
+            f"{loader.evidence}). Load it with an mlx-vlm whose load_model passes quantization['mode'] to "
+            f"mlx.nn.quantize, {affine}",
             folder=folder,
             file="config.json",
         )

@@ -12,11 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-# Relative tolerance of the kernel probe: a correct kernel differs from the dequantized product
-# by accumulation order only (float32: ~1e-6 of the output's scale); mlx 0.30.0's wrong CPU
-# kernels are off by more than 5% of it.
-KERNEL_RTOL = 1e-3
-
 
 @dataclass(frozen=True)
 class Probe:
@@ -30,36 +25,6 @@ class Probe:
     def broken(self) -> bool:
         """Only a measured failure counts; an unobservable probe refuses nothing."""
         return self.ok is False
-
-
-@functools.lru_cache(maxsize=None)
-def quant_kernel(mode: str, group_size: int, bits: int) -> Probe:
-    """Whether ``mx.quantized_matmul`` in ``mode`` agrees with the dequantized product (default device)."""
-    import mlx.core as mx
-
-    name = f"quantized_matmul {mode} (group {group_size}, {bits}-bit) on {mx.default_device()}"
-    try:
-        w = mx.random.normal((64, 256), key=mx.random.key(0))
-        x = mx.random.normal((4, 256), key=mx.random.key(1))
-        parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
-        wq, scales = parts[0], parts[1]
-        biases = parts[2] if len(parts) > 2 else None
-        got = mx.quantized_matmul(
-            x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
-        ).astype(mx.float32)
-        dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits, mode=mode)
-        want = x @ dense.astype(mx.float32).T
-        diff = mx.abs(got - want).max().item()
-        scale = mx.abs(want).max().item()
-    except Exception as exc:  # no such mode, or a kernel that raises: broken either way
-        return Probe(name, False, f"{name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    ok = diff <= KERNEL_RTOL * max(scale, 1.0)
-    return Probe(
-        name,
-        ok,
-        f"{name}: max|quantized_matmul - x @ dequantize(w).T| = {diff:.3g} on outputs up to {scale:.3g} "
-        f"({'within' if ok else 'beyond'} {KERNEL_RTOL:g} of that)",
-    )
 
 
 class _Stop(Exception):
@@ -129,5 +94,4 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
 
 def clear_cache() -> None:
     """Forget every cached verdict (the next call measures again)."""
-    quant_kernel.cache_clear()
     loader_passes_mode.cache_clear()

@@ -48,29 +48,6 @@ def mlx_vlm_cache_home(tmp_path_factory):
         os.environ["MLX_VLM_CACHE_HOME"] = old
 
 
-@pytest.fixture(scope="session", autouse=True)
-def split_matmuls_over_cpu_lanes():
-    """In-process model tests take the CPU-lane split path, even for tiny layers.
-
-    That is the path full-size models take on multi-core Linux; subprocess tests
-    (CLI, server) keep the default threshold, so the unsplit path runs too.
-    test_cpu_lanes.py checks split == unsplit bit for bit.
-    """
-    import importlib
-
-    import compass_compat  # noqa: F401  (applies the patch)
-    from tests.lib.vendored import PACKAGE, is_vendored_file
-
-    if not is_vendored_file(importlib.import_module(PACKAGE).__file__ or ""):
-        yield
-        return
-    from compass_compat import cpu_lanes
-
-    cpu_lanes.configure(2, min_weight_elements=0)
-    yield
-    cpu_lanes.configure(None, min_weight_elements=cpu_lanes._DEFAULT_MIN_ELEMENTS)
-
-
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

@@ -284,8 +284,9 @@ DEFECTS_DRIVER = textwrap.dedent(
         def get_input_embeddings(self, *args, cached_image_features=None, **kwargs):
             if cached_image_features is not None:
                 width = self.config.text_config.hidden_size
-                kept = cached_image_features[:, :width]  # the deepstack columns dropped
-                cached_image_features = {"image_features": kept, "deepstack_features": kept[None, :, :0][:0]}
+                import mlx.core as mx
+                kept = cached_image_features[:, :width]  # the deepstack columns zeroed
+                cached_image_features = mx.concatenate([kept, mx.zeros_like(cached_image_features[:, width:])], axis=-1)
             return original(self, *args, cached_image_features=cached_image_features, **kwargs)
         cls.get_input_embeddings = get_input_embeddings
         return lambda: setattr(cls, "get_input_embeddings", original)

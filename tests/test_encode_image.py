@@ -30,12 +30,6 @@ def encode(model, case):
     return model.encode_image(mx.array(case["pixel_values"]), case["image_grid_thw"])
 
 
-def as_dict(model, features, grid):
-    """encode_image's array in the older dict form, which also carries the grid."""
-    parts = mx.split(features, features.shape[-1] // model.config.text_config.hidden_size, axis=-1)
-    return {"image_features": parts[0], "deepstack_features": mx.stack(parts[1:]), "image_grid_thw": mx.array(grid)}
-
-
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
 def test_replay_gives_bit_identical_logits(model, reference, name):
     case = reference(name)
@@ -58,8 +52,6 @@ def test_images_encoded_separately_then_concatenated(model, reference):
     assert [p.shape[0] for p in split] == [int(np.prod(g)) // 4 for g in grid]
     assert all(mx.array_equal(a, b) for a, b in zip(split, parts))
     assert mx.array_equal(mx.concatenate(split, axis=0), joined)
-    # a list of per-image arrays is accepted as it is
-    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=split))
 
 
 def test_features_are_one_array_a_host_can_cache(model, reference):
@@ -73,12 +65,6 @@ def test_features_are_one_array_a_host_can_cache(model, reference):
     assert enc.nbytes == tokens * (1 + K) * D * enc.dtype.size
 
 
-def test_the_older_dict_form_is_still_accepted(model, reference):
-    case = reference("img_448")
-    old_form = as_dict(model, encode(model, case), case["image_grid_thw"])
-    assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=old_form))
-
-
 def test_features_of_the_wrong_width_are_refused(model, reference):
     case = reference("img_448")
     enc = encode(model, case)
@@ -89,9 +75,8 @@ def test_features_of_the_wrong_width_are_refused(model, reference):
 @pytest.mark.parametrize(
     "form, words",
     [
-        ("dict without deepstack", "as a dict needs the keys"),
-        ("empty list", "as a list must hold one or more mx.array from encode_image"),
-        ("list of numpy arrays", "as a list must hold one or more mx.array from encode_image"),
+        ("dict", r"must be the mx.array returned by Model.encode_image, got dict$"),
+        ("list of arrays", r"got list \(join per-image arrays: mx.concatenate\(parts, axis=0\)\)"),
         ("numpy array", "must be the mx.array returned by Model.encode_image, got ndarray"),
     ],
 )
@@ -100,9 +85,8 @@ def test_replay_forms_it_cannot_read_are_refused(model, reference, form, words):
     enc = encode(model, case)
     D = model.config.text_config.hidden_size
     given = {
-        "dict without deepstack": {"image_features": enc[:, :D]},
-        "empty list": [],
-        "list of numpy arrays": [np.asarray(enc)],
+        "dict": {"image_features": enc[:, :D]},
+        "list of arrays": [enc],
         "numpy array": np.asarray(enc),
     }[form]
     with pytest.raises(ValueError, match=words):
@@ -151,13 +135,6 @@ def test_mismatched_replay_raises_the_count_error(model, reference):
     small, big = reference("img_448"), reference("img_640x480")
     with pytest.raises(ValueError, match="the prompt has 300 image tokens but the image features cover 196"):
         logits(model, big, cached_image_features=encode(model, small))
-
-
-def test_same_count_different_grid_is_refused(model, reference):
-    case = reference("img_448")
-    enc = as_dict(model, encode(model, case), [[1, 56, 14]])
-    with pytest.raises(ValueError, match="re-encode"):
-        logits(model, case, cached_image_features=enc)
 
 
 def test_encode_image_without_grid_uses_the_processors_memo(model, reference, tiny_ckpt_original, fixture_images):

@@ -9,7 +9,6 @@ taken from ``compass_compat.cli``. Runs on whichever cohere_compass is live (ups
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -70,25 +69,6 @@ def test_the_published_sampling_defaults_change_the_text(published):
 def test_unset_sampling_flags_do_what_mlx_vlm_generate_does(capsys, base, tmp_path, name):
     path = with_generation_config(base, tmp_path, GENERATION_CONFIGS[name](token_ids()))
     assert cli_text(capsys, path) == mlx_vlm_run(path).text
-
-
-def _printed_sampling(out: str) -> dict:
-    line = next(line for line in out.splitlines() if line.startswith("Sampling: "))
-    values = re.match(r"Sampling: (.*?) seed=(\d+) \(unset: .*generation_config\.json.*\)$", line)
-    assert values, line
-    pairs = dict(pair.split("=") for pair in values.group(1).split())
-    assert set(pairs) <= {"temperature", "top_p", "top_k"} and {"temperature", "top_p"} <= set(pairs), line
-    return {key: int(value) if key == "top_k" else float(value) for key, value in pairs.items()}
-
-
-@pytest.mark.parametrize("name", list(GENERATION_CONFIGS))
-def test_verbose_prints_the_settings_mlx_vlm_samples_with(capsys, base, tmp_path, name):
-    path = with_generation_config(base, tmp_path, GENERATION_CONFIGS[name](token_ids()))
-    code, out, err = run_cli(capsys, path, verbose=True)
-    assert code == 0, err
-    printed = _printed_sampling(out)
-    # The printed values, passed explicitly, reproduce what mlx-vlm does with them unset.
-    assert mlx_vlm_run(path, **printed).ids == mlx_vlm_run(path).ids, printed
 
 
 def test_explicit_flags_override_the_file(capsys, published):

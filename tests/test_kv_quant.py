@@ -25,7 +25,6 @@ import pathlib
 from typing import Dict, List
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from compass_data import tiny, toy
@@ -90,29 +89,6 @@ def test_sliding_layers_keep_float_cache_full_layers_quantize(default_loaded):
             assert after is before
         else:
             assert after is not before and after.bits == 8 and after.group_size == 64
-
-
-def test_quantized_attention_blocks_equal_whole_call(monkeypatch):
-    """On the CPU a long chunk over a quantized cache attends in blocks of query rows: the rows
-    are those of the whole call, bit for bit."""
-    from mlx_vlm.models import base
-
-    from compass_compat import cpu_lanes
-
-    rng = np.random.default_rng(0)
-    q = mx.array(rng.standard_normal((1, 4, 96, 32)).astype(np.float32))
-    k, v = (mx.quantize(mx.array(rng.standard_normal((1, 2, 96, 32)).astype(np.float32)), 32, 8) for _ in range(2))
-    cache = type("Quantized", (), {"bits": 8, "group_size": 32})()
-    mask = mx.arange(96)[None] <= mx.arange(96)[:, None]
-
-    def attend(queries, mask):
-        # A copy: mlx-vlm's quantized helper scales its queries in place (queries *= scale).
-        return base.scaled_dot_product_attention(queries + 0, k, v, cache=cache, scale=0.25, mask=mask)
-
-    whole = attend(q, mask)
-    monkeypatch.setattr(cpu_lanes, "_MAX_SCORE_BYTES", 1)  # 32-row blocks
-    blocked = cpu_lanes.quantized_attention(q, attend, mask)
-    assert np.array_equal(np.array(blocked), np.array(whole))
 
 
 def _reference_cases():

@@ -196,6 +196,7 @@ def video_fixture(name: str) -> dict:
 
 def test_processor_takes_video_on_every_way_in(loaded, reference, image):
     from mlx_vlm.models.cohere_compass import processing_cohere_compass as pc
+    from mlx_vlm.models.cohere_compass import video_processing_cohere_compass as vpc
 
     from compass_data.clips import make_clip
 
@@ -208,7 +209,7 @@ def test_processor_takes_video_on_every_way_in(loaded, reference, image):
     assert recorded["prompt"] == rendered
     with_frames = copy.deepcopy(messages)
     with_frames[0]["content"][0]["video"] = make_clip(*recorded["clips"][0])
-    with pytest.warns(pc.VideoSettingsWarning):
+    with pytest.warns(vpc.VideoSettingsWarning):
         ids = processor.apply_chat_template(with_frames, add_generation_prompt=True, tokenize=True)
     assert np.asarray(ids).reshape(-1).tolist() == recorded["input_ids"].reshape(-1).tolist()
     # A file name is not decoded here: a named error says what to pass.

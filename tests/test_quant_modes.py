@@ -9,12 +9,10 @@ bfloat16 too, so the fp-mode model's activations are bfloat16), or is refused by
 checks before mlx-vlm's loader reads anything, with an error naming the mode, the pin and what
 the probe measured.
 
-What is refused is decided by the probes of the running install (compass_compat/probes.py), not
-by version numbers: the loader probe (does mlx-vlm's load_model pass the mode to
-``mlx.nn.quantize``?) and the kernel probe (does ``quantized_matmul`` agree with the dequantized
-product on the default device?). Both verdicts are checked here against real loads, against the
-version thresholds they replaced (on the matrix stacks where those were measured), and against
-monkeypatched kernels and loaders that are wrong or right on purpose.
+What is refused is decided by the loader probe of the running install (compass_compat/probes.py),
+not by version numbers: does mlx-vlm's load_model pass the mode to ``mlx.nn.quantize``? Its verdict
+is checked here against real loads, against the version threshold it replaced (on the matrix
+stacks where that was measured), and against monkeypatched loaders that are wrong or right on purpose.
 """
 
 from __future__ import annotations
@@ -53,11 +51,9 @@ PIN = (version("mlx-vlm"), version("mlx"))
 PROMPT = "Describe the image."
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# The version thresholds the probes replaced, measured on the matrix's stacks only (CPU): mlx-vlm
-# 0.3.9's loader dropped the mode (0.4.4's passes it); mlx 0.30.0's CPU quantized_matmul is wrong for
-# mxfp8 and nvfp4 (0.31.2's is right). Kept as data, to check the probes give the same verdicts there.
+# The version threshold the loader probe replaced, measured on the matrix's stacks only: mlx-vlm
+# 0.3.9's loader drops the mode (0.4.4's passes it). Kept as data, to check the probe's verdicts there.
 OLD_MIN_MLX_VLM = (0, 4, 4)
-OLD_MIN_MLX = {"mxfp4": (0, 30, 0), "mxfp8": (0, 31, 2), "nvfp4": (0, 31, 2)}
 
 
 def _version_tuple(text: str):
@@ -75,11 +71,9 @@ def matrix_stacks() -> set:
 
 
 def refused(name: str) -> bool:
-    """Whether the checkpoint checks refuse this mode here: what the probes measured."""
+    """Whether the checkpoint checks refuse this mode here: what the loader probe measured."""
     mode, group, bits = MODES[name]
-    if mode == "affine":
-        return False
-    return probes.loader_passes_mode(mode, group, bits).broken or probes.quant_kernel(mode, group, bits).broken
+    return mode != "affine" and probes.loader_passes_mode(mode, group, bits).broken
 
 
 @pytest.fixture
@@ -149,84 +143,29 @@ def greedy_tokens(path: pathlib.Path, image, max_tokens: int = 8):
 
 
 @pytest.mark.parametrize("name", FP_MODES)
-def test_kernel_probe_reports_what_numpy_measures(fresh_probes, name):
-    """The kernel probe's verdict equals an independent float64 product of the dequantized weights."""
-    mode, group, bits = MODES[name]
-    w = mx.random.normal((64, 256), key=mx.random.key(7))
-    x = mx.random.normal((3, 256), key=mx.random.key(8))
-    wq, scales = mx.quantize(w, group_size=group, bits=bits, mode=mode)[:2]
-    got = np.array(mx.quantized_matmul(x, wq, scales, None, transpose=True, group_size=group, bits=bits, mode=mode))
-    dense = np.array(mx.dequantize(wq, scales, None, group_size=group, bits=bits, mode=mode).astype(mx.float32))
-    want = np.array(x).astype(np.float64) @ dense.astype(np.float64).T
-    right = float(np.abs(got - want).max()) <= probes.KERNEL_RTOL * float(np.abs(want).max())
-    probe = probes.quant_kernel(mode, group, bits)
-    print(f"\n[quant probe] {probe.evidence}")
-    assert probe.ok is right, probe.evidence
-
-
-@pytest.mark.parametrize("name", FP_MODES)
 def test_probe_verdict_equals_the_old_threshold_on_the_matrix(name):
-    """On CPU, on every matrix stack (where the thresholds were measured), probe and threshold agree."""
+    """On every matrix stack (where the threshold was measured), probe and threshold agree."""
     mode, group, bits = MODES[name]
-    loader, kernel = probes.loader_passes_mode(mode, group, bits), probes.quant_kernel(mode, group, bits)
-    if mx.default_device() != mx.cpu:
-        pytest.skip(f"the thresholds were measured on CPU; default device {mx.default_device()}")
+    loader = probes.loader_passes_mode(mode, group, bits)
     if PIN not in matrix_stacks():
         pytest.skip(
             f"mlx-vlm {PIN[0]} with mlx {PIN[1]} is no matrix stack (no threshold was measured here); "
-            f"the probes say: {loader.evidence}; {kernel.evidence}"
+            f"the probe says: {loader.evidence}"
         )
     old_loader_refuses = _version_tuple(PIN[0]) < OLD_MIN_MLX_VLM
-    old_kernel_refuses = _version_tuple(PIN[1]) < OLD_MIN_MLX[mode]
-    print(f"\n[quant probe] {PIN}: {loader.evidence}; {kernel.evidence}")
+    print(f"\n[quant probe] {PIN}: {loader.evidence}")
     assert loader.broken == old_loader_refuses, loader.evidence
-    assert kernel.broken == old_kernel_refuses, kernel.evidence
-    assert refused(name) == (old_loader_refuses or old_kernel_refuses)
+    assert refused(name) == old_loader_refuses
 
 
 def test_probes_run_once_per_process(fresh_probes, monkeypatch):
-    first = probes.quant_kernel("mxfp4", 32, 4), probes.loader_passes_mode("mxfp4", 32, 4)
+    first = probes.loader_passes_mode("mxfp4", 32, 4)
 
     def measured_again(*args, **kwargs):
         raise AssertionError("a cached probe measured again")
 
-    monkeypatch.setattr(mx, "quantize", measured_again)
     monkeypatch.setattr(mx, "save_safetensors", measured_again)
-    assert (probes.quant_kernel("mxfp4", 32, 4), probes.loader_passes_mode("mxfp4", 32, 4)) == first
-
-
-def _off_by_a_tenth(real):
-    def kernel(*args, **kwargs):
-        return real(*args, **kwargs) * 1.1  # 10% off: a wrong kernel that still looks plausible
-
-    return kernel
-
-
-def _by_dequantize(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, mode="affine", **_):
-    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(mx.float32)
-    return x @ (dense.T if transpose else dense)  # a right kernel, whatever this mlx's own does
-
-
-@pytest.mark.parametrize("name", FP_MODES)
-def test_wrong_kernel_is_caught_and_right_one_let_through(folders, fresh_probes, monkeypatch, name):
-    mode, group, bits = MODES[name]
-    quantized, _ = folders[name]
-    real = mx.quantized_matmul
-
-    monkeypatch.setattr(mx, "quantized_matmul", _off_by_a_tenth(real))
-    probe = probes.quant_kernel(mode, group, bits)
-    assert probe.ok is False and "beyond" in probe.evidence, probe.evidence
-    with pytest.raises(CheckpointError) as info:
-        validate_checkpoint(quantized)
-    message = str(info.value)
-    assert f"mode '{mode}'" in message and "kernels compute wrong results" in message
-    assert probe.evidence in message  # what was measured
-
-    probes.clear_cache()
-    monkeypatch.setattr(mx, "quantized_matmul", _by_dequantize)
-    probe = probes.quant_kernel(mode, group, bits)
-    assert probe.ok is True, probe.evidence
-    validate_checkpoint(quantized)
+    assert probes.loader_passes_mode("mxfp4", 32, 4) == first
 
 
 def _fake_loader(passes_mode: bool, quantizes: bool = True):
@@ -245,7 +184,6 @@ def test_loader_that_drops_the_mode_is_caught_and_one_that_passes_it_let_through
 
     mode, group, bits = MODES["mxfp4"]
     quantized, _ = folders["mxfp4"]
-    kernel_broken = probes.quant_kernel(mode, group, bits).broken
     monkeypatch.setattr(mlx_vlm.utils, "load_model", _fake_loader(passes_mode=False))
     probe = probes.loader_passes_mode(mode, group, bits)
     assert probe.ok is False and "mode='<no mode keyword>'" in probe.evidence, probe.evidence
@@ -257,8 +195,7 @@ def test_loader_that_drops_the_mode_is_caught_and_one_that_passes_it_let_through
         monkeypatch.setattr(mlx_vlm.utils, "load_model", fake)
         probe = probes.loader_passes_mode(mode, group, bits)
         assert probe.ok is want, probe.evidence  # None: never saw quantize, so refuses nothing
-        if not kernel_broken:
-            validate_checkpoint(quantized)
+        validate_checkpoint(quantized)
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
@@ -283,6 +220,25 @@ def test_mode_loads_and_matches_dequantized(folders, fixture_images, name):
         assert greedy_tokens(quantized, image) == greedy_tokens(dense, image)
 
 
+def test_float32_rule_is_for_the_decoders_fp_mode_layers_on_the_cpu_only(folders, monkeypatch):
+    """The loader guard's rule (MLX's CPU fp-mode kernel is ~1% off with bfloat16 inputs, so the
+    test above fails without it): fp-mode layers on the CPU get it, affine ones and other devices not."""
+    from mlx_vlm.utils import load_model
+
+    def rule_on(model):
+        return [n for n, m in model.language_model.named_modules() if type(m).__module__ == "compass_compat._patch"]
+
+    if refused("mxfp4"):
+        pytest.skip(f"mxfp4 is refused on mlx-vlm {PIN[0]} / mlx {PIN[1]}")
+    model = load_model(folders["mxfp4"][0])
+    assert "model.embed_tokens" in rule_on(model) and "model.layers.0.mlp.down_proj" in rule_on(model)
+    assert rule_on(load_model(folders["affine5"][0])) == []
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    model = load_model(folders["mxfp4"][0])
+    monkeypatch.undo()
+    assert rule_on(model) == []
+
+
 @pytest.mark.parametrize("name", sorted(MODES))
 def test_mode_is_refused_up_front(folders, monkeypatch, name):
     if not refused(name):
@@ -291,20 +247,12 @@ def test_mode_is_refused_up_front(folders, monkeypatch, name):
     import mlx_vlm.utils
 
     mode, group, bits = MODES[name]
-    loader, kernel = probes.loader_passes_mode(mode, group, bits), probes.quant_kernel(mode, group, bits)
-    quantized, dense = folders[name]
+    loader = probes.loader_passes_mode(mode, group, bits)
+    quantized, _ = folders[name]
     original = mlx_vlm.utils.load_model.__wrapped__  # the pin's loader, without the shim's check
-    # The failure the refusal replaces: affine layers for the mode's weights (a loud failure), or a
-    # model that loads and computes wrong logits (a silent one).
-    if loader.broken:
-        with pytest.raises(Exception, match=r"(?i)missing \d+ parameters|group size \d+ is not supported"):
-            original(quantized)
-    else:
-        monkeypatch.setattr("compass_compat.checkpoint_checks._check_mode", lambda *a, **k: None)
-        got, want = prefill_logits(quantized, None), prefill_logits(dense, None)  # past the check, once
-        monkeypatch.undo()
-        diff = float(np.abs(got - want).max())
-        assert diff > 100 * TOL, f"{name}: the kernel probe refused a mode whose logits match ({diff:.3g})"
+    # The failure the refusal replaces: affine layers for the mode's weights.
+    with pytest.raises(Exception, match=r"(?i)missing \d+ parameters|group size \d+ is not supported"):
+        original(quantized)
 
     def loader_ran(*args, **kwargs):
         raise AssertionError("mlx-vlm's loader read the folder before the check refused it")
@@ -315,5 +263,4 @@ def test_mode_is_refused_up_front(folders, monkeypatch, name):
     message = str(info.value)
     assert f"mode '{mode}'" in message and f"mlx-vlm {PIN[0]}" in message and f"mlx {PIN[1]}" in message
     assert "measured:" in message and "affine conversion" in message
-    for probe in (loader, kernel):
-        assert (probe.evidence in message) == probe.broken
+    assert loader.evidence in message

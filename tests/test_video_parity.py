@@ -127,7 +127,8 @@ def test_per_video_features_joined_replay_identically(model):
     ]
     fresh = model(ids, None, cache=model.language_model.make_cache(), **extra).logits
     kw = {k: v for k, v in extra.items() if k != "pixel_values_videos"}
-    replay = model(ids, None, cache=model.language_model.make_cache(), cached_video_features=parts, **kw).logits
+    joined = mx.concatenate(parts, axis=0)
+    replay = model(ids, None, cache=model.language_model.make_cache(), cached_video_features=joined, **kw).logits
     assert mx.array_equal(fresh, replay).item()
 
 

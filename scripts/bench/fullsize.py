@@ -108,11 +108,6 @@ class MLXRunner:
             raise SystemExit(f"{impl}: expected the {want} cohere_compass to be live, got {info}")
         self.file = info.file
         self._replay = None
-        self.cpu_lanes = 1
-        if impl == "ours":  # CPU lanes (compass_compat/cpu_lanes.py): streams a large matmul is split over
-            from compass_compat import cpu_lanes
-
-            self.cpu_lanes = max(1, len(cpu_lanes.lanes(1 << 30)))
 
     # -- helpers
     def _ids(self, key):
@@ -275,7 +270,7 @@ class MLXRunner:
 
     def stats(self) -> dict:
         mx = self.mx
-        return dict(peak_rss_gb=_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9, cpu_lanes=self.cpu_lanes)
+        return dict(peak_rss_gb=_rss_gb(), mlx_peak_gb=mx.get_peak_memory() / 1e9)
 
 
 class TorchRunner:
@@ -844,7 +839,6 @@ def main() -> None:
         bytes_per_token=bpt,
         implementations={n: r.get("file") for n, r in results.items()},
         errors=errors,
-        cpu_lanes={n: r.get("stats", {}).get("cpu_lanes") for n, r in results.items() if n.startswith("ours")},
     )
     try:
         import mlx.core as mx
@@ -865,8 +859,7 @@ def main() -> None:
         f"commit {revision['commit']}{' (dirty)' if revision['dirty'] else ''}; "
         f"preset `{args.preset}`: {json.dumps(preset)}; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after; bandwidth {bandwidth['bandwidth_gbs']:.1f} GB/s ({bandwidth['method']}); "
-        f"total {meta['seconds_total'] / 60:.1f} min; ours' CPU lanes {json.dumps(meta['cpu_lanes'])} "
-        f"(upstream and torch: their own threading)"
+        f"total {meta['seconds_total'] / 60:.1f} min"
     )
     (out / f"{stamp}.md").write_text(f"# Benchmark {stamp}\n\n{notes}\n\n{table}\n")
     print(table)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,17 +27,11 @@ from .vision import VisionModel
 
 logger = logging.getLogger(__name__)
 
-# Keys of the dict that encode_image returned before it returned one array; still accepted.
-FEATURES, DEEPSTACK, GRID = "image_features", "deepstack_features", "image_grid_thw"
-
 # Per modality (mm_token_type_ids value): its name and the get_input_embeddings arguments.
 _NAMES = {IMAGE: "image", VIDEO: "video"}
 _PIXELS = {IMAGE: "pixel_values", VIDEO: "pixel_values_videos"}
 _GRIDS = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 _CACHED = {IMAGE: "cached_image_features", VIDEO: "cached_video_features"}
-
-# What get_input_embeddings takes as cached_image_features / cached_video_features.
-CachedFeatures = Union[mx.array, Sequence[mx.array], Dict[str, mx.array]]
 
 
 @dataclass
@@ -146,36 +140,15 @@ class Model(nn.Module):
         """mlx-vlm 0.7.x's name for :meth:`encode_image` (grid passed as a keyword)."""
         return self.encode_image(pixel_values, image_grid_thw)
 
-    def _unpack_features(
-        self, cached: CachedFeatures
-    ) -> Tuple[mx.array, List[mx.array], Optional[Any]]:
-        """(features [N, D], K deepstack [N, D], grid or None) from any accepted form."""
+    def _unpack_features(self, cached: mx.array) -> Tuple[mx.array, List[mx.array]]:
+        """(features [N, D], K deepstack [N, D]) from ``encode_image``'s array."""
         D = self.config.text_config.hidden_size
         K = len(self.config.vision_config.deepstack_visual_indexes)
-        if isinstance(cached, dict):
-            if FEATURES not in cached or DEEPSTACK not in cached:
-                raise ValueError(
-                    f"cached_image_features as a dict needs the keys {FEATURES!r} and {DEEPSTACK!r}; "
-                    "pass Model.encode_image's array instead"
-                )
-            deep = cached[DEEPSTACK]
-            return (
-                cached[FEATURES],
-                [deep[k] for k in range(deep.shape[0])],
-                cached.get(GRID),
-            )
-        if isinstance(cached, (list, tuple)):
-            if not cached or not all(isinstance(part, mx.array) for part in cached):
-                raise ValueError(
-                    "cached_image_features as a list must hold one or more mx.array from encode_image"
-                )
-            cached = (
-                mx.concatenate(list(cached), axis=0) if len(cached) > 1 else cached[0]
-            )
         if not isinstance(cached, mx.array):
+            join = " (join per-image arrays: mx.concatenate(parts, axis=0))"
             raise ValueError(
                 "cached_image_features must be the mx.array returned by Model.encode_image, "
-                f"got {type(cached).__name__}"
+                f"got {type(cached).__name__}{join if isinstance(cached, (list, tuple)) else ''}"
             )
         if cached.ndim != 2 or cached.shape[-1] != (1 + K) * D:
             raise ValueError(
@@ -184,26 +157,26 @@ class Model(nn.Module):
                 "Re-encode the images with this model's encode_image"
             )
         parts = mx.split(cached, 1 + K, axis=-1) if K else [cached]
-        return parts[0], list(parts[1:]), None
+        return parts[0], list(parts[1:])
 
     def get_input_embeddings(
         self,
         input_ids: Optional[mx.array] = None,
         pixel_values: Optional[mx.array] = None,
-        cached_image_features: Optional[CachedFeatures] = None,
+        cached_image_features: Optional[mx.array] = None,
         image_grid_thw: Optional[Any] = None,
         mask: Optional[mx.array] = None,
         mm_token_type_ids: Optional[Any] = None,
         pixel_values_videos: Optional[mx.array] = None,
         video_grid_thw: Optional[Any] = None,
-        cached_video_features: Optional[CachedFeatures] = None,
+        cached_video_features: Optional[mx.array] = None,
         **kwargs,
     ) -> CompassEmbeddings:
         """Token embeddings with image and video features scattered in, and MRoPE positions.
 
         Features come from pixels and grids as the processor returns them, or from
-        ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, a list of
-        them in prompt order, or the older dict form). Deepstack comes back dense, ``[B, L, K, D]``
+        ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, the
+        prompt's images in order). Deepstack comes back dense, ``[B, L, K, D]``
         with zeros off the vision tokens, so hosts slice and left-pad it like the embeddings."""
         self._warn_past_positions(input_ids)
         pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = (
@@ -347,7 +320,7 @@ class Model(nn.Module):
 
     def _image_features_for(
         self, pixels, grid, cached, vision_cache, key
-    ) -> Optional[CachedFeatures]:
+    ) -> Optional[mx.array]:
         """Features to replay for these pixels, or None to run the tower.
 
         A replay this model encoded from other pixels (a cache keyed by file path whose file
@@ -371,7 +344,7 @@ class Model(nn.Module):
         self,
         kind: int,
         pixels: Optional[mx.array],
-        cached: Optional[CachedFeatures],
+        cached: Optional[mx.array],
         grid: Optional[Any],
     ) -> Tuple[mx.array, List[mx.array], Any]:
         """(features [N, D], K deepstack [N, D], grid) of one modality, from pixels or a replay."""
@@ -380,26 +353,14 @@ class Model(nn.Module):
                 raise ValueError(
                     f"{_GRIDS[kind]} must be provided with {_PIXELS[kind]}"
                 )
-            features, deepstack, _ = self._unpack_features(
-                self.encode_image(pixels, grid)
-            )
+            features, deepstack = self._unpack_features(self.encode_image(pixels, grid))
             return features, deepstack, grid
-        features, deepstack, encoded_grid = self._unpack_features(cached)
-        if grid is None:
-            grid = encoded_grid
+        features, deepstack = self._unpack_features(cached)
         if grid is None:
             raise ValueError(
                 f"{_GRIDS[kind]} must be provided with {_CACHED[kind]} (the processor returns it for the "
                 f"prompt's {_NAMES[kind]}s): their positions depend on each {_NAMES[kind]}'s grid"
             )
-        if encoded_grid is not None:
-            cached_grid = np.asarray(encoded_grid).reshape(-1, 3).tolist()
-            prompt_grid = np.asarray(grid).reshape(-1, 3).tolist()
-            if cached_grid != prompt_grid:
-                raise ValueError(
-                    f"{_CACHED[kind]} were encoded for {_NAMES[kind]} grids {cached_grid} but the "
-                    f"prompt's {_NAMES[kind]}s have grids {prompt_grid}; re-encode the {_NAMES[kind]}s"
-                )
         return features, deepstack, grid
 
     def _with_positions(

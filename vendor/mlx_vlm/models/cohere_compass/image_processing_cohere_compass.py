@@ -295,45 +295,6 @@ def _composite_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-# Images up to this many pixels are converted whole; larger ones band by band.
-_BANDED_MIN_PIXELS = 1 << 22
-_BAND_ROWS = 256
-# PIL runs these filters as two separable passes (horizontal, then vertical).
-_TWO_PASS = {
-    Image.Resampling.BILINEAR,
-    Image.Resampling.BICUBIC,
-    Image.Resampling.LANCZOS,
-    Image.Resampling.BOX,
-    Image.Resampling.HAMMING,
-}
-
-
-def convert_and_resize(
-    image: Image.Image,
-    convert,
-    size,
-    resample,
-    band_rows: int = _BAND_ROWS,
-    min_pixels: int = _BANDED_MIN_PIXELS,
-) -> Image.Image:
-    """``convert(image).resize(size, resample)``, the same bytes, without converting a large image
-    whole: converted and horizontally resized band by band (PIL's first pass treats rows alone)."""
-    width, height = image.size
-    if (
-        convert is None
-        or size[0] >= width
-        or width * height < min_pixels
-        or Image.Resampling(resample) not in _TWO_PASS
-    ):
-        rgb = image if convert is None else convert(image)
-        return rgb.resize(size, resample=resample)
-    narrow = Image.new("RGB", (size[0], height))
-    for top in range(0, height, band_rows):
-        band = convert(image.crop((0, top, width, min(height, top + band_rows))))
-        narrow.paste(band.resize((size[0], band.height), resample=resample), (0, top))
-    return narrow if size[1] == height else narrow.resize(size, resample=resample)
-
-
 def _channels_last(array: np.ndarray) -> np.ndarray:
     if array.ndim == 2:  # the reference rejects 2-D arrays; treat them as grayscale
         return array[..., None]
@@ -645,13 +606,11 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         else:
             pil, convert, scaled = _source(image, self.do_convert_rgb)
             target_h, target_w = self.resized_shape(pil.height, pil.width)
+            if convert is not None:
+                pil = convert(pil)
             if self.do_resize:
                 # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
-                pil = convert_and_resize(
-                    pil, convert, (target_w, target_h), self.resample
-                )
-            elif convert is not None:
-                pil = convert(pil)
+                pil = pil.resize((target_w, target_h), resample=self.resample)
             array = np.asarray(pil)
         # float64 product, then float32: the reference's rescale, bit for bit.
         if scaled:

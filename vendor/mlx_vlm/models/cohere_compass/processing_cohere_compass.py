@@ -16,24 +16,21 @@ from typing import List, Optional, Sequence
 import numpy as np
 from transformers.feature_extraction_utils import BatchFeature
 
-from .image_processing_cohere_compass import (  # noqa: F401 (pixel-bound resolution, also read from here)
+from .image_processing_cohere_compass import (
     IMAGE_PROCESSOR_KEYS,
     PIXEL_BOUND_KEYS,
     CohereCompassImageProcessor,
     batch_feature,
     flatten_images,
-    image_processor_settings,
     read_json,
     read_pixel_bounds,
-    resolve_pixel_bounds,
 )
-from .video_processing_cohere_compass import (  # noqa: F401 (what callers catch or filter around a call)
+from .video_processing_cohere_compass import (
     INSTANCE_ONLY_KEYS,
     NO_FPS_TIMESTAMP_WARNING,
     VIDEO_PROCESSOR_KEYS,
     CohereCompassVideoProcessor,
     VideoInputError,
-    VideoSettingsWarning,
     batched_videos,
     timestamps,
     warn_video_settings,

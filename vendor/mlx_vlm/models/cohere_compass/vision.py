@@ -139,13 +139,10 @@ class Attention(nn.Module):
                 .transpose(0, 2, 1, 3)
                 for a in (q, k, v)
             ]
-            o = self.attend(*seg)
+            o = mx.fast.scaled_dot_product_attention(*seg, scale=self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(count * length, dim))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.proj(out)
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
