@@ -375,7 +375,7 @@ def is_compass_checkpoint(path: Any) -> bool:
 def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
     """A local cohere_compass folder gets the vendored torch-free processor, checked first
     (on ``AutoProcessor.from_pretrained`` itself, which every pin has)."""
-    from .load_checks import validate_load_step
+    from . import checkpoint_checks
 
     def from_pretrained(original: Callable[..., Any], cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_compass_checkpoint(path):
@@ -388,8 +388,8 @@ def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
                 hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
                 mlx_vlm_version=_mlx_vlm_version(),
             )
-        validate_load_step(path, require_weights=False)
-        return processor_cls.from_pretrained(path, *args, **kwargs)
+        checkpoint_checks.validate_checkpoint(path)
+        return _refusing(path, processor_cls.from_pretrained, path, *args, **kwargs)
 
     _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo, owner_name="transformers.AutoProcessor")
 
@@ -427,16 +427,31 @@ def _fp_modes_in_float32(model: Any) -> Any:
     return model
 
 
+def _refusing(folder: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, a library's refusal of the cohere_compass ``folder`` raised as
+    one CheckpointError line (``checkpoint_checks.refusal``)."""
+    from .checkpoint_checks import refusal
+
+    try:
+        return call(*args, **kwargs)
+    except Exception as err:
+        refused = refusal(folder, err)
+        if refused is None:
+            raise
+        raise refused from err
+
+
 def _install_loader_guard(undo: List[_Undo]) -> None:
-    """``validate_checkpoint`` before mlx-vlm's loader reads a file the folder names; on the CPU
-    the fp-mode float32 rule on what it loaded (:func:`_fp_modes_in_float32`)."""
-    from .load_checks import validate_load_start
+    """``validate_checkpoint`` before mlx-vlm's loader reads a file the folder names, the loader's
+    own refusals as one line; on the CPU the fp-mode float32 rule on what it loaded
+    (:func:`_fp_modes_in_float32`)."""
+    from . import checkpoint_checks
 
     def load_model(original: Callable[..., Any], model_path: Any, *args: Any, **kwargs: Any) -> Any:
         config = _local_config(model_path)
-        if config is _UNREADABLE or _says_compass(config):  # the check names an unreadable config.json
-            validate_load_start(model_path)
-            return _fp_modes_in_float32(original(model_path, *args, **kwargs))
+        if config is _UNREADABLE or _says_compass(config):  # the refusal names an unreadable config.json
+            checkpoint_checks.validate_checkpoint(model_path)
+            return _fp_modes_in_float32(_refusing(model_path, original, model_path, *args, **kwargs))
         return original(model_path, *args, **kwargs)
 
     _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo, owner_name="mlx_vlm.utils")

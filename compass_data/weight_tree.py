@@ -1,9 +1,8 @@
 """Every tensor a cohere_compass checkpoint holds, derived from its config by arithmetic.
 
-The one enumeration of the weight tree: the checkpoint checks, the tiny checkpoint builder and
-the full-size stand-in (``scripts/bench/build_fullsize.py``) all derive theirs from
+The one enumeration of the weight tree: the tiny checkpoint builder and the full-size stand-in (``scripts/bench/build_fullsize.py``) all derive theirs from
 :func:`weight_tree`. It is written independently of the model code; a test checks that the two
-agree (``tests/test_broken_checkpoints.py::test_expected_tensors_match_the_model_tree``).
+agree (``tests/test_broken_checkpoints.py::test_weight_tree_matches_the_model_tree``).
 
 Self-contained (no imports outside the standard library), so scripts that must not import the
 package (it patches mlx-vlm) can load it by path.

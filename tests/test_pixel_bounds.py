@@ -253,9 +253,13 @@ def _edit(folder: pathlib.Path, name: str, edit) -> None:
 
 
 def refusal(folder: pathlib.Path, match: str) -> CheckpointError:
-    """The CheckpointError validate_checkpoint raises for ``folder`` (its message matching ``match``)."""
+    """The CheckpointError building the processor for ``folder`` raises: the vendored image
+    processor's own refusal (its message matching ``match``), with the remedy."""
+    from transformers import AutoProcessor
+
     with pytest.raises(CheckpointError, match=match) as info:
-        validate_checkpoint(folder)
+        AutoProcessor.from_pretrained(str(folder))
+    assert "Restore the image settings published with the checkpoint" in str(info.value)
     return info.value
 
 
@@ -264,42 +268,33 @@ def test_checks_accept_the_published_layouts(loadable):
         validate_checkpoint(folder)
 
 
-def test_checks_refuse_bad_tokenizer_bounds(loadable, tmp_path):
+def test_processor_refuses_bad_tokenizer_bounds(loadable, tmp_path):
     folder = rec.build_folder("cohere_original", tmp_path / "bad", base=loadable["cohere_original"])
     _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("max_pixels", 0))
-    match = r"tokenizer_config\.json in .*: max_pixels must be a positive integer, got 0"
-    assert refusal(folder, match).file == "tokenizer_config.json"
+    refusal(folder, r"`size\.longest_edge \(max_pixels\)` must be a positive integer, got 0")
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("size", 1024)))
-    refusal(folder, r"tokenizer_config\.json in .*: size must be an object")
+    refusal(folder, r"TypeError: 'int' object is not iterable")
 
 
-def test_checks_read_tokenizer_bounds_without_a_settings_file(loadable, tmp_path):
+def test_processor_reads_tokenizer_bounds_without_a_settings_file(loadable, tmp_path):
     folder = rec.build_folder("cohere_original", tmp_path / "bare", base=loadable["cohere_original"])
     (folder / "preprocessor_config.json").unlink()
     _edit(folder, "tokenizer_config.json", lambda c: c.__setitem__("min_pixels", -1))
-    refusal(folder, r"tokenizer_config\.json in .*: min_pixels must be a positive")
+    refusal(folder, r"`size\.shortest_edge \(min_pixels\)` must be a positive integer, got -1")
 
 
-def test_checks_refuse_min_over_max_across_files(loadable, tmp_path):
-    """tokenizer_config.json's min_pixels over the block's max pixels: named with both sources."""
+def test_processor_refuses_min_over_max_across_files(loadable, tmp_path):
+    """tokenizer_config.json's min_pixels over the block's max pixels."""
     folder = rec.build_folder("mlx_conversion", tmp_path / "crossed", base=loadable["mlx_conversion"])
     _edit(folder, "tokenizer_config.json", lambda c: (c.pop("max_pixels"), c.__setitem__("min_pixels", 4000000)))
-    refusal(
-        folder,
-        r"min pixels 4000000 \(from tokenizer_config\.json min_pixels\) "
-        r"exceed max pixels 3868706 \(from processor_config\.json image_processor max_pixels\)",
-    )
+    refusal(folder, r"`size\.shortest_edge` \(4000000\) exceeds `size\.longest_edge` \(3868706\)")
 
 
-def test_checks_read_the_block_not_the_ignored_file(loadable, tmp_path):
-    """processor_config.json's block is what transformers reads; a bad preprocessor_config.json
-    beside it is never read, a bad block is refused."""
+def test_processor_refuses_a_bad_block(loadable, tmp_path):
+    """processor_config.json's block is what the image processor reads."""
     folder = rec.build_folder("mlx_conversion", tmp_path / "block", base=loadable["mlx_conversion"])
-    _edit(folder, "preprocessor_config.json", lambda c: c.__setitem__("patch_size", -16))
-    validate_checkpoint(folder)
     _edit(folder, "processor_config.json", lambda c: c["image_processor"].__setitem__("patch_size", 0))
-    match = r"processor_config\.json image_processor in .*: patch_size must be a positive integer, got 0"
-    assert refusal(folder, match).file == "processor_config.json"
+    refusal(folder, r"cohere_compass image processor: `patch_size` must be a positive integer, got 0")
 
 
 # ------------------------------------------------------------------ the checklist's probe

@@ -570,7 +570,7 @@ def test_processor_hook_routes_only_compass_folders(unpatched, monkeypatch, tmp_
     ):
         assert AutoProcessor.from_pretrained(compass, use_fast=True) == "vendored"
         assert seen[-1] == (compass, {"use_fast": True})
-        assert checked[-1] == (compass, {"require_weights": False}, len(seen) - 1)  # before the processor
+        assert checked[-1] == (compass, {}, len(seen) - 1)  # before the processor
     assert len(calls) == n_calls
 
     monkeypatch.delattr(processing, "CohereCompassProcessor")

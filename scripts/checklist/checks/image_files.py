@@ -41,8 +41,7 @@ def preprocessor_probe(ctx: Context) -> Dict[str, Any]:
     normalise to exactly ``(v/255 - mean) / std``; the 640x480 fixture image must be scaled
     down under the max-pixel bound. The bounds are the folder's as transformers resolves them
     (``checkpoint_checks.pixel_bounds``: processor_config.json's block over this file,
-    tokenizer_config.json's min/max_pixels over both), the resolution the processor and the
-    checkpoint checks use.
+    tokenizer_config.json's min/max_pixels over both), the resolution the processor uses.
     """
     from compass_compat.checkpoint_checks import pixel_bounds
 

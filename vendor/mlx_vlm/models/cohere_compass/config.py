@@ -260,8 +260,7 @@ class ModelConfig:
         }
 
 
-# Original (CohereLabs) prefixes -> this module tree's (the MLX conversions'); no mlx import here,
-# so the checkpoint checks share it.
+# Original (CohereLabs) prefixes -> this module tree's (the MLX conversions'); no mlx import here.
 WEIGHT_LAYOUT = (
     ("model.language_model.", "language_model.model."),
     ("model.visual.", "vision_tower."),
