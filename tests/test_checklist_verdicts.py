@@ -127,3 +127,38 @@ def test_a_sliding_window_one_key_too_wide_fails_item_2_only(tmp_path):
     assert got["10"] == {"verdict": "PASS", "evidence": "1 tests passed"}
     # Items no selected test carries have no verdict: FAIL, never PASS by default.
     assert got["5"]["verdict"] == "FAIL" and "no test carries" in got["5"]["evidence"]
+
+
+def test_the_reducer_reports_exit_status_and_evidence(tmp_path):
+    """scripts/pin_bump/reduce.py: 0 every item passes, 1 some fail (with the failing test's message),
+    2 no verdict (no junit file, or no marked test in it)."""
+    from scripts.pin_bump import reduce
+
+    names = checklist.item_names()
+    passing = "".join(
+        f'<testcase classname="t" name="t{n}"><properties><property name="checklist" value="{n}"/></properties></testcase>'
+        for n in names
+    )
+    xml = tmp_path / "all.xml"
+    xml.write_text(f"<testsuites><testsuite>{passing}</testsuite></testsuites>", encoding="utf-8")
+    assert reduce.report(xml, "vendored")["exit_code"] == 0
+    failing = passing.replace(
+        'name="t2"><properties><property name="checklist" value="2"/></properties>',
+        'name="t2"><properties><property name="checklist" value="2"/></properties><failure message="double BOS"/>',
+    )
+    xml.write_text(f"<testsuites><testsuite>{failing}</testsuite></testsuites>", encoding="utf-8")
+    got = reduce.report(xml, "upstream")
+    assert got["exit_code"] == 1 and got["verdicts"]["2"] == "FAIL"
+    assert "t::t2 FAILED: double BOS" in got["items"][1]["evidence"]
+    assert reduce.report(tmp_path / "absent.xml", "upstream")["exit_code"] == 2
+    empty = tmp_path / "empty.xml"
+    empty.write_text("<testsuites><testsuite/></testsuites>", encoding="utf-8")
+    assert "did not run" in reduce.report(empty, "upstream")["error"]
+
+
+def test_a_release_without_an_upstream_package_fails_every_upstream_item():
+    from scripts.pin_bump import reduce
+
+    got = reduce.absent("upstream")
+    assert got["verdicts"] == dict.fromkeys(checklist.item_names(), "FAIL") and got["exit_code"] == 1
+    assert all("no upstream cohere_compass" in item["evidence"] for item in got["items"])

@@ -37,7 +37,7 @@
 # cohere_compass, writes this run's verdicts into that record (scripts/pin_bump/record.py), which
 # decides the live implementation there (review and commit the diff).
 #
-# Exit status (as the checklist's): 0 upstream's cohere_compass passes every item (it can replace
+# Exit status: 0 upstream's cohere_compass passes every item (it can replace
 # the vendored copy); 1 keep the vendored copy, everything of ours fine; 2 something of ours broke
 # on that release (vendored checklist item, test, generated text) or the check could not run.
 set -uo pipefail
@@ -48,7 +48,7 @@ helper="$root/scripts/pin_bump/helpers.py"
 py="${PYTHON:-python3}"
 # The sweep's test selection: the quantization probes against real loads, the patch and its undo,
 # loading and generation through mlx-vlm's own entry points, both weight layouts and the head rule.
-# With the checklist's ten items (parity with the reference, both layouts, 4-bit) it is what a
+# With the checklist's items (parity with the reference, both layouts, 4-bit) it is what a
 # release can move, at about a tenth of the whole suite's time.
 SWEEP_TESTS=(tests/test_quant_modes.py tests/test_shim.py tests/test_generate.py tests/test_tie_head.py)
 version=""; recipe=""; tests=full; out="$root/benchmarks/pin-bump"; keep=0
