@@ -1,7 +1,7 @@
 """Where the vendored ``cohere_compass`` tree is, and its modules, each loaded once per process.
 
 A leaf module (the standard library and :mod:`compass_compat.errors` only): the shim and the
-checkpoint checks (and the workshop's checklist) find the vendored files here.
+checkpoint checks (and the checklist's tests) find the vendored files here.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from scripts._lib.cases import case_inputs
 from scripts._lib.parity import image_kwargs
 from scripts._lib.recorded import video_case
-from scripts.checklist.harness import case_inputs
 from tests.lib.vendored import vendored
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here

@@ -7,7 +7,7 @@ the precedence: the "pixel bounds" section of the vendored image processor). Exp
 from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
 tests/fixtures/pixel_bounds.json, recorded from it by scripts/reference/pixel_bounds.py, on
 every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor, the checkpoint checks
-and the checklist's probe all use the one resolution.
+and checklist item 3's probe (tests/lib/live.py) all use the one resolution.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_processor_matches_the_recorded_reference(case, folders, images):
 
 @pytest.mark.parametrize("case", list(rec.CASES))
 def test_bounds_match_the_recorded_reference(case, folders):
-    """The shared resolution (processor, checkpoint checks, checklist) on the folder's files."""
+    """The shared resolution (processor, checkpoint checks, checklist item 3's probe) on the folder's files."""
     folder_name, load_kwargs, call_kwargs = rec.CASES[case]
     bounds = pixel_bounds(folders[folder_name], load_kwargs, call_kwargs)
     assert [bounds.min_pixels, bounds.max_pixels] == FIXTURE["cases"][case]["bounds"]
@@ -297,13 +297,13 @@ def test_processor_refuses_a_bad_block(loadable, tmp_path):
     refusal(folder, r"cohere_compass image processor: `patch_size` must be a positive integer, got 0")
 
 
-# ------------------------------------------------------------------ the checklist's probe
+# ------------------------------------------------------------ checklist item 3's probe
 
 
-def test_checklist_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
-    """The probe's expected bounds are ``pixel_bounds`` of the probed folder: with
-    tokenizer_config.json bounds added to it, the probe expects those."""
-    from scripts import checklist
+def test_image_files_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
+    """The probe's expected grids are ``pixel_bounds`` of the probed folder: with tokenizer_config.json
+    bounds added to it, the probe expects those (tests/lib/live.py, tests/test_live_package.py)."""
+    from tests.lib import live
 
     seen = []
     original = checkpoint_checks.pixel_bounds
@@ -316,16 +316,17 @@ def test_checklist_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint_checks, "pixel_bounds", spy)
     folder = build_tiny_checkpoint(tmp_path / "probe", variant="small_max_pixels")
     _edit(folder, "tokenizer_config.json", lambda c: c.update(min_pixels=4096, max_pixels=32768))
-
-    class Ctx:
-        workdir = tmp_path
-
-        def checkpoint(self, name):
-            return folder
-
-        def load(self, path):
-            raise RuntimeError("stop after the expectations are computed")
-
-    with pytest.raises(RuntimeError, match="stop after"):
-        checklist._preprocessor_probe(Ctx())
+    want = live.image_files_expectations(folder)
     assert [(b.min_pixels, b.max_pixels) for b in seen] == [(4096, 32768)]
+    # 64x64 is within [4096, 32768]: kept; 640x480 shrinks under 32768 pixels (sides multiples of 32).
+    assert want["grids"] == {"solid 64x64": [1, 4, 4], "640x480": [1, 8, 12]}
+
+
+def test_smart_resize_expectations_are_exact_arithmetic():
+    from tests.lib.live import smart_resize
+
+    # Image preprocessing: 448x448 stays, 20x20 grows to the min bound, 640x480 shrinks.
+    assert smart_resize(448, 448, 32, 65536, 16777216) == (448, 448)
+    assert smart_resize(20, 20, 32, 65536, 16777216) == (256, 256)
+    assert smart_resize(480, 640, 32, 16384, 65536) == (192, 288)
+    assert smart_resize(64, 64, 32, 16384, 65536) == (128, 128)

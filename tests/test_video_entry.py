@@ -153,8 +153,8 @@ def test_mlx_vlm_generate_with_video_reaches_the_native_path(toy_ckpt, clip_file
     processor natively (no frames fallback), the reference's prompt ids and greedy ids."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
+    from scripts._lib.cases import stream_ids
     from scripts._lib.mlx_vlm_run import load
-    from scripts.checklist.harness import stream_ids
 
     meta = FILE_CASES[name]
     path = str(clip_files[meta["videos"][0]["clip"]][0])
@@ -178,7 +178,7 @@ def test_mlx_vlm_generate_with_video_reaches_the_native_path(toy_ckpt, clip_file
 
 
 def _reference_ids(name: str):
-    from scripts.checklist.harness import read_video_case
+    from scripts._lib.cases import read_video_case
 
     meta = FILE_CASES[name]
     return read_video_case(FIXTURES / "toy" / meta["file"])["input_ids"].reshape(-1).tolist()

@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from scripts._lib.cases import case_inputs
 from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
 from scripts._lib.recorded import VIDEO_INDEX, video_case
-from scripts.checklist.harness import case_inputs
 from tests.lib.vendored import vendored
 
 positions = vendored("positions")

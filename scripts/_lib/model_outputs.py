@@ -270,7 +270,7 @@ def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
 
 
 def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixel_values`. ``scripts.checklist.harness`` has its own: this
+    """Inverse of :func:`pack_pixel_values`. ``scripts._lib.cases`` has its own: this
     script must not import compass_compat (importing it patches mlx-vlm)."""
     n = pixel_values_codes.shape[0]
     frame0 = unpack_levels(pixel_values_codes, pixel_values_levels).reshape(n, 3, 1, -1)

@@ -9,7 +9,7 @@ import functools
 import json
 import pathlib
 
-from scripts.checklist.harness import read_case_arrays, read_video_case
+from scripts._lib.cases import read_case_arrays, read_video_case
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 REFERENCE_DIR = FIXTURES / "reference"

@@ -301,7 +301,7 @@ def render_md(r: Dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         f"| {res['mlx']} | {res['mlx-vlm']} | {res['mlx-lm']} | {res['transformers']} | {res['torch']} | {r['python']} |",
         "",
-        "## Checklist (`python -m scripts.checklist --json`)",
+        "## Checklist (`python -m pytest tests -m checklist`, reduced by `scripts/pin_bump/reduce.py`)",
         "",
     ]
     for impl in ("upstream", "vendored"):

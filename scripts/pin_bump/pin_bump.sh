@@ -24,10 +24,11 @@
 #
 # Then, from this checkout (editable install; it tests the working tree as it is, so do not edit
 # the checkout while it runs: release_sweep.sh snapshots HEAD instead):
-#   1. python -m scripts.checklist --json, --implementation upstream and vendored;
+#   1. the checklist: the suite's tests marked for CHECKLIST.md's items (`pytest tests -m checklist`),
+#      once with COMPASS_COMPAT_IMPLEMENTATION=upstream and once =vendored, each run's junit XML
+#      reduced to item verdicts (scripts/pin_bump/reduce.py: an item passes where all its tests pass);
 #   2. the vendored test suite (COMPASS_COMPAT_FORCE_VENDORED=1 where upstream ships cohere_compass,
-#      as the matrix runs it; torch modules skip by themselves;
-#      test_checklist's per-pin verdict test is deselected: step 1 compares the verdicts instead);
+#      as the matrix runs it; torch modules skip by themselves);
 #   3. python -m compass_compat generate --no-verbose (the default checkpoint, the demo picture),
 #      vendored live, as installed (where upstream ships cohere_compass), and in the matrix
 #      environment on the same checkout: the text hashes must agree.
@@ -36,7 +37,7 @@
 # cohere_compass, writes this run's verdicts into that record (scripts/pin_bump/record.py), which
 # decides the live implementation there (review and commit the diff).
 #
-# Exit status (as the checklist's): 0 upstream's cohere_compass passes every item (it can replace
+# Exit status: 0 upstream's cohere_compass passes every item (it can replace
 # the vendored copy); 1 keep the vendored copy, everything of ours fine; 2 something of ours broke
 # on that release (vendored checklist item, test, generated text) or the check could not run.
 set -uo pipefail
@@ -47,7 +48,7 @@ helper="$root/scripts/pin_bump/helpers.py"
 py="${PYTHON:-python3}"
 # The sweep's test selection: the quantization probes against real loads, the patch and its undo,
 # loading and generation through mlx-vlm's own entry points, both weight layouts and the head rule.
-# With the checklist's ten items (parity with the reference, both layouts, 4-bit) it is what a
+# With the checklist's items (parity with the reference, both layouts, 4-bit) it is what a
 # release can move, at about a tenth of the whole suite's time.
 SWEEP_TESTS=(tests/test_quant_modes.py tests/test_shim.py tests/test_generate.py tests/test_tie_head.py)
 version=""; recipe=""; tests=full; out="$root/benchmarks/pin-bump"; keep=0
@@ -171,17 +172,27 @@ compgen -G "$env/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init_
 tests_cmd="-"
 if [ -z "$env_error" ]; then
   for impl in upstream vendored; do
-    start=$(now); log "checklist, $impl"
-    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED -u COMPASS_COMPAT_IMPLEMENTATION "$pyenv" -m scripts.checklist --json \
-        --implementation "$impl") >"$work/checklist-$impl.json" 2>"$work/checklist-$impl.log"
-    echo "$?" > "$work/checklist-$impl.rc"
+    # The checklist: the suite's marked tests with $impl live, reduced to item verdicts (reduce.py).
+    if [ "$impl" = upstream ] && [ $upstream_ships = 0 ]; then
+      (cd "$root" && "$pyenv" -m scripts.pin_bump.reduce --absent upstream) >"$work/checklist-$impl.json"
+      echo "$?" > "$work/checklist-$impl.rc"; seconds[checklist_$impl]=0
+      log "checklist, upstream: mlx-vlm $version ships no cohere_compass: every item FAILs"
+      continue
+    fi
+    start=$(now); log "checklist, $impl: python -m pytest tests -m checklist (COMPASS_COMPAT_IMPLEMENTATION=$impl)"
+    (cd "$root" && env -u COMPASS_COMPAT_FORCE_VENDORED COMPASS_COMPAT_IMPLEMENTATION="$impl" "$pyenv" -m pytest tests \
+        -m checklist --checklist-measure -q -p no:cacheprovider --junitxml="$work/checklist-$impl.xml") \
+        >"$work/checklist-$impl.log" 2>&1
     seconds[checklist_$impl]=$(( $(now) - start ))
-    log "checklist, $impl: exit $(cat "$work/checklist-$impl.rc") [${seconds[checklist_$impl]} s]"
+    (cd "$root" && "$pyenv" -m scripts.pin_bump.reduce "$work/checklist-$impl.xml" "$impl" "${seconds[checklist_$impl]}") \
+        >"$work/checklist-$impl.json" 2>>"$work/checklist-$impl.log"
+    echo "$?" > "$work/checklist-$impl.rc"
+    log "checklist, $impl: exit $(cat "$work/checklist-$impl.rc"), $(tail -n 1 "$work/checklist-$impl.log") [${seconds[checklist_$impl]} s]"
   done
 
   if [ "$tests" != none ]; then
     if [ "$tests" = sweep ]; then targets=("${SWEEP_TESTS[@]}"); else targets=(tests); fi
-    args=("${targets[@]}" -q -p no:cacheprovider --deselect tests/test_checklist.py::test_verdicts_match_the_record)
+    args=("${targets[@]}" -q -p no:cacheprovider)
     # As the matrix: the switch only where upstream ships cohere_compass (elsewhere ours is live anyway).
     tests_cmd="COMPASS_COMPAT_FORCE_VENDORED=$upstream_ships python -m pytest ${args[*]}"
     start=$(now); log "tests ($tests): $tests_cmd"

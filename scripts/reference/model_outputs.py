@@ -25,7 +25,7 @@ and, for each case, records into tests/fixtures/reference/<case>.safetensors:
 
 ``pixel_values`` [N, 3*2*16*16] would dominate the fixtures' size, so they are stored losslessly
 packed (``pack_pixel_values``): the first of the two identical temporal slots only, as uint8 codes
-into a per-channel table of the float32 values. scripts/checklist/harness.py unpacks them.
+into a per-channel table of the float32 values. scripts/_lib/cases.py unpacks them.
 The cases, the images and the recording are in scripts/_lib/model_outputs.py (the tests re-record
 with it); this script writes what it records.
 

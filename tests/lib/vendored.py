@@ -87,3 +87,10 @@ def by_path(submodule: str, package: str) -> ModuleType:
     (``compass_compat.vendor.file_module``): the package's ``__init__`` (mlx) does not run, and
     it works on pins where upstream's cohere_compass shadows the vendored one."""
     return file_module(submodule, package)
+
+
+def implementation_under_test() -> str:
+    """The cohere_compass the checklist-marked tests measure: upstream's with the switch
+    COMPASS_COMPAT_IMPLEMENTATION=upstream (on a release without one, those tests fail saying
+    so), else the one the documented rule makes live."""
+    return "upstream" if switch_from_env() == "upstream" else expected_live()

@@ -2,7 +2,7 @@
 
 Run as ``python probe_processor.py [--vendored] FOLDER IMAGE PROMPT`` (never ``-m``: importing the
 package would import compass_compat before torch is hidden, and in upstream mode at all).
-``--vendored`` applies the shim first, vendored. Prints one line ``CHECKLIST-JSON {...}``.
+``--vendored`` applies the shim first, vendored. Prints one line ``PROBE-JSON {...}``.
 """
 
 from __future__ import annotations
@@ -83,4 +83,4 @@ def main(argv: List[str]) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print("CHECKLIST-JSON " + json.dumps(main(sys.argv[1:])))
+    print("PROBE-JSON " + json.dumps(main(sys.argv[1:])))

@@ -2,7 +2,7 @@
 
 Run as ``python probe_model_config.py [--vendored]`` (never ``-m``: importing the package would
 import compass_compat and spoil the pristine upstream view). ``--vendored`` applies the shim
-first, vendored. Prints one line ``CHECKLIST-JSON {...}``.
+first, vendored. Prints one line ``PROBE-JSON {...}``.
 """
 
 from __future__ import annotations
@@ -30,4 +30,4 @@ def probe(vendored: bool) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print("CHECKLIST-JSON " + json.dumps(probe("--vendored" in sys.argv[1:])))
+    print("PROBE-JSON " + json.dumps(probe("--vendored" in sys.argv[1:])))
