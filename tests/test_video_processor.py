@@ -250,6 +250,17 @@ def test_num_frames_alone_samples(processors):
         run(processors(), "num_frames_7", num_frames=7, fps=2)
 
 
+def test_unresized_single_frame_is_padded_as_the_reference_pads_it():
+    """With do_resize=False the reference never resizes, so never counts frames: one frame is
+    repeated to a whole temporal patch, as two copies of it give."""
+    frame = make_clip(1, 64, 64, 3)
+    vp = vpc.CohereCompassVideoProcessor(do_resize=False, cap_pixels_per_frame=False)
+    one = vp(frame, do_sample_frames=False)
+    np.testing.assert_array_equal(one["video_grid_thw"], [[1, 4, 4]])
+    two = vp(np.concatenate([frame, frame]), do_sample_frames=False)
+    np.testing.assert_array_equal(one["pixel_values_videos"], two["pixel_values_videos"])
+
+
 # ---------------------------------------------------------------- mlx-vlm's ways in
 
 

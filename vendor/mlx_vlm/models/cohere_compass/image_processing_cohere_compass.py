@@ -20,6 +20,13 @@ import numpy as np
 from PIL import Image, ImageOps
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_processing_utils import BaseImageProcessor
+from transformers.image_transforms import (
+    normalize,
+    rescale,
+    resize,
+    to_channel_dimension_format,
+)
+from transformers.image_utils import ChannelDimension, infer_channel_dimension_format
 
 # Published North-Micro-Vision preprocessor_config.json values.
 DEFAULT_PATCH_SIZE = 16
@@ -295,26 +302,18 @@ def _composite_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def _channels_last(array: np.ndarray) -> np.ndarray:
+def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
+    """(H, W, 3) array in the input dtype: gray repeated, alpha composited onto white
+    (transformers' convert_to_rgb takes arrays only from 5.21)."""
+    array = np.asarray(array)
     if array.ndim == 2:  # the reference rejects 2-D arrays; treat them as grayscale
-        return array[..., None]
+        array = array[..., None]
     if array.ndim != 3:
         raise ValueError(
             f"image array must have 2 or 3 dimensions, got shape {array.shape}"
         )
-    # Channel axis inferred like transformers: leading axis wins when both could be it.
-    if array.shape[0] in (1, 3, 4):
-        return np.moveaxis(array, 0, -1)
-    if array.shape[-1] in (1, 3, 4):
-        return array
-    raise ValueError(
-        f"cannot tell the channel axis of an image array of shape {array.shape}"
-    )
-
-
-def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
-    """(H, W, 3) array in the input dtype: gray repeated, alpha composited onto white."""
-    array = _channels_last(np.asarray(array))
+    layout = infer_channel_dimension_format(array, num_channels=(1, 3, 4))
+    array = to_channel_dimension_format(array, ChannelDimension.LAST, layout)
     channels = array.shape[-1]
     if do_convert_rgb and channels == 1:
         array = np.repeat(array, 3, axis=-1)
@@ -333,52 +332,31 @@ def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
     return array
 
 
-def _array_to_rgb_pil(array: np.ndarray, do_convert_rgb: bool):
-    """RGB PIL image (PIL resizes uint8 only) from an array by the reference's array path, plus
-    whether values were scaled up from [0, 1]."""
-    array = _rgb_array(array, do_convert_rgb)
-    scaled = False
-    if array.dtype != np.uint8:
-        if np.allclose(array, array.astype(int)):
-            if array.min() < 0 or array.max() > 255:
-                raise ValueError(
-                    f"image values must lie in [0, 255], got [{array.min()}, {array.max()}]"
-                )
-        elif array.min() >= 0 and array.max() <= 1:
-            # The reference multiplies by 255 through float32 and truncates; so do we.
-            array = (array.astype(np.float64) * 255).astype(np.float32)
-            scaled = True
-        else:
-            raise ValueError(
-                f"float image values must lie in [0, 1] or [0, 255], got [{array.min()}, {array.max()}]"
-            )
-        array = array.astype(np.uint8)
-    return Image.fromarray(np.ascontiguousarray(array), mode="RGB"), scaled
-
-
 def _source(image, do_convert_rgb: bool):
-    """(PIL image, converter to RGB or None, whether values were scaled up from [0, 1])."""
+    """(PIL image, converter to RGB or None) of a file, a PIL image or a uint8 array."""
     if isinstance(image, (str, os.PathLike)):
         if str(image).startswith(("http://", "https://")):
             raise ValueError(
                 f"image URLs are not fetched here; load the image first: {image}"
             )
         opened = _open_file(image)
-        return opened, None if opened.mode == "RGB" else _plain_rgb, False
+        return opened, None if opened.mode == "RGB" else _plain_rgb
     if isinstance(image, Image.Image):
         has_alpha = (
             "A" in image.getbands() or image.info.get("transparency") is not None
         )
         if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
-            return image, None, False
+            return image, None
         if not do_convert_rgb:
             raise ValueError(
                 f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False"
             )
-        return image, _composite_rgb if has_alpha else _plain_rgb, False
-    if isinstance(image, np.ndarray):
-        pil, scaled = _array_to_rgb_pil(image, do_convert_rgb)
-        return pil, None, scaled
+        return image, _composite_rgb if has_alpha else _plain_rgb
+    if isinstance(
+        image, np.ndarray
+    ):  # uint8: PIL reads it in place (to_pil_image copies)
+        array = np.ascontiguousarray(_rgb_array(image, do_convert_rgb))
+        return Image.fromarray(array), None
     raise ValueError(
         f"unsupported image of type {type(image).__name__}; pass a PIL image, a numpy array or a file path"
     )
@@ -593,18 +571,19 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
 
     def _pixels(self, image) -> np.ndarray:
         """One image as normalized float32 (H, W, 3) at its target size."""
-        scaled = False
-        if (
-            not self.do_resize
-            and isinstance(image, np.ndarray)
-            and image.dtype != np.uint8
-        ):
-            array = _rgb_array(
-                image, self.do_convert_rgb
-            )  # no PIL round trip, as in the reference
-            self.resized_shape(array.shape[0], array.shape[1])  # sides must already fit
+        if isinstance(image, np.ndarray) and image.dtype != np.uint8:
+            # The reference's array path: transformers' resize scales [0, 1] floats up for PIL and back.
+            array = _rgb_array(image, self.do_convert_rgb)
+            target = self.resized_shape(array.shape[0], array.shape[1])
+            if self.do_resize:
+                array = resize(
+                    array,
+                    target,
+                    self.resample,
+                    input_data_format=ChannelDimension.LAST,
+                )
         else:
-            pil, convert, scaled = _source(image, self.do_convert_rgb)
+            pil, convert = _source(image, self.do_convert_rgb)
             target_h, target_w = self.resized_shape(pil.height, pil.width)
             if convert is not None:
                 pil = convert(pil)
@@ -612,17 +591,16 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
                 # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
                 pil = pil.resize((target_w, target_h), resample=self.resample)
             array = np.asarray(pil)
-        # float64 product, then float32: the reference's rescale, bit for bit.
-        if scaled:
-            array = (array.astype(np.float64) * (1 / 255)).astype(np.float32)
         if self.do_rescale:
-            array = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
+            array = rescale(array, self.rescale_factor)
         if self.do_normalize:
-            array = array.astype(np.float32, copy=False)
-            mean = np.asarray(self.image_mean, dtype=np.float32)
-            std = np.asarray(self.image_std, dtype=np.float32)
-            array = (array - mean) / std
-        return np.asarray(array, dtype=np.float32)
+            array = normalize(
+                array,
+                self.image_mean,
+                self.image_std,
+                input_data_format=ChannelDimension.LAST,
+            )
+        return array.astype(np.float32, copy=False)
 
     def preprocess(self, images, return_tensors=None, **overrides) -> BatchFeature:
         ip = self.with_settings(overrides)

@@ -137,10 +137,6 @@ class _Frames:
                 f"video {position} is a path or URL ({str(video)[:80]!r}); this processor takes decoded frames. "
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
-        if isinstance(video, Image.Image) or (
-            hasattr(video, "shape") and len(video.shape) == 3
-        ):
-            video = [video]  # one frame
         is_list = isinstance(video, (list, tuple))
         if is_list:
             self.frames, shape = self._checked_list(list(video))
@@ -273,15 +269,12 @@ def _rate(name: str, value) -> Optional[float]:
 class SampledVideo(NamedTuple):
     """What sampling settled for one video."""
 
-    positions: List[
-        int
-    ]  # which of the frames passed are used, in order (repeats allowed)
-    frames_indices: List[
-        int
-    ]  # their positions in the source clip: timestamps are frames_indices / fps
-    fps: Optional[
-        float
-    ]  # the source's frame rate; None: unknown (timestamps assume 24 and warn)
+    # Which of the frames passed are used, in order (repeats allowed).
+    positions: List[int]
+    # Their positions in the source clip: timestamps are frames_indices / fps.
+    frames_indices: List[int]
+    # The source's frame rate; None: unknown (timestamps assume 24 and warn).
+    fps: Optional[float]
     total_num_frames: int  # frames in the source clip
 
 
@@ -551,17 +544,7 @@ class CohereCompassVideoProcessor(Settings):
     ) -> Tuple[int, int]:
         """(height, width) the frames of a ``num_frames``-frame video are resized to."""
         factor = self.patch_size * self.merge_size
-        if not self.do_resize:
-            if num_frames < self.temporal_patch_size:
-                smart_resize_video(
-                    num_frames,
-                    height,
-                    width,
-                    self.temporal_patch_size,
-                    factor,
-                    1,
-                    1 << 62,
-                )
+        if not self.do_resize:  # as the reference: frames padded, never resized
             if height % factor or width % factor:
                 raise VideoInputError(
                     f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
@@ -588,20 +571,12 @@ class CohereCompassVideoProcessor(Settings):
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
         """uint8 (T, 3, H, W) -> float32, transformers' fused rescale + normalize, bit for bit."""
         x = frames.astype(np.float32)
-        if self.do_rescale and self.do_normalize:
-            # torch: mean/std tensors (float32) times 1/rescale_factor, then (x - mean) / std in float32.
-            inverse = np.float32(1.0 / self.rescale_factor)
-            mean = (np.asarray(self.image_mean, np.float32) * inverse).astype(
-                np.float32
-            )
-            std = (np.asarray(self.image_std, np.float32) * inverse).astype(np.float32)
-        elif self.do_normalize:
-            mean, std = (
-                np.asarray(self.image_mean, np.float32),
-                np.asarray(self.image_std, np.float32),
-            )
-        else:
+        if not self.do_normalize:
             return x * np.float32(self.rescale_factor) if self.do_rescale else x
+        # torch folds the rescale into float32 mean and std (times 1 / rescale_factor).
+        scale = np.float32(1.0 / self.rescale_factor if self.do_rescale else 1.0)
+        mean = np.asarray(self.image_mean, np.float32) * scale
+        std = np.asarray(self.image_std, np.float32) * scale
         return (x - mean[:, None, None]) / std[:, None, None]
 
     def _process_video(
