@@ -193,23 +193,12 @@ def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> 
     from . import probes
 
     loader = probes.loader_passes_mode(mode, group, bits)
-    kernel = probes.quant_kernel(mode, group, bits)
-    why, need = [], []
     if loader.broken:
-        why.append(
-            f"mlx-vlm {mlx_vlm}'s loader quantizes the model without the mode, so the {mode} weights do not fit it"
-        )
-        need.append("an mlx-vlm whose load_model passes quantization['mode'] to mlx.nn.quantize")
-    if kernel.broken:
-        why.append(f"mlx {mlx}'s {mode} kernels compute wrong results on this device")
-        need.append(f"an mlx whose {mode} quantized_matmul matches mx.dequantize")
-    if why:
         raise CheckpointError(
-            f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: "
-            + "; ".join(why)
-            + " (measured: "
-            + "; ".join(p.evidence for p in (loader, kernel) if p.broken)
-            + f"). Load it with {' and '.join(need)}, {affine}",
+            f"{folder}: the weights are quantized in mode {mode!r}, which {pin} cannot load: mlx-vlm {mlx_vlm}'s "
+            f"loader quantizes the model without the mode, so the {mode} weights do not fit it (measured: "
+            f"{loader.evidence}). Load it with an mlx-vlm whose load_model passes quantization['mode'] to "
+            f"mlx.nn.quantize, {affine}",
             folder=folder,
             file="config.json",
         )
