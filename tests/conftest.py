@@ -9,8 +9,8 @@ import pathlib
 import pytest
 
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib import checklist
-from scripts._lib.recorded import ReferenceFixtures
+from tests.support import checklist
+from tests.support.recorded import ReferenceFixtures
 
 IMAGES_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "images"
 
@@ -67,7 +67,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "checklist(*items): the test decides CHECKLIST.md item(s) for the live cohere_compass (`-m checklist`, "
-        "`-m checklist_N`; scripts/_lib/checklist.py)",
+        "`-m checklist_N`; tests/support/checklist.py)",
     )
     for n, name in checklist.item_names().items():
         config.addinivalue_line("markers", f"checklist_{n}: decides CHECKLIST.md item {n} ({name})")
@@ -90,7 +90,7 @@ def recorded_expectation(config):
     if config.getoption("--checklist-measure"):
         return None
     from compass_compat import verdicts
-    from tests.lib.vendored import implementation_under_test
+    from tests.support.vendored import implementation_under_test
 
     release = verdicts.load()["releases"].get(importlib.metadata.version("mlx-vlm"))
     if release is None:

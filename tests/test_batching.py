@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.cases import case_inputs
-from scripts._lib.parity import image_kwargs
-from scripts._lib.recorded import video_case
-from tests.lib.vendored import vendored
+from tests.support.cases import case_inputs
+from tests.support.parity import image_kwargs
+from tests.support.recorded import video_case
+from tests.support.vendored import vendored
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here
 TOL = 1e-4
@@ -278,7 +278,7 @@ def test_batch_decode_does_not_use_the_last_prefills_delta(model, reference, mod
 @needs_batch_caches
 @pytest.mark.parametrize("module", CACHE_MODULES)
 def test_batch_decode_builds_its_graph_without_host_sync(model, reference, module):
-    from scripts._lib.host_sync import HostSyncGuard
+    from tests.support.host_sync import HostSyncGuard
 
     names = ["img_448", "text_long"]
     rows = [Row(model, reference(n)) for n in names]

@@ -4,9 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.mlx_vlm_run import greedy_ids
-from scripts._lib.parity import image_kwargs
-from tests.lib.vendored import vendored
+from tests.support.mlx_vlm_run import greedy_ids
+from tests.support.parity import image_kwargs
+from tests.support.vendored import vendored
 
 compass = vendored("cohere_compass")
 

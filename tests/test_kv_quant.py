@@ -28,8 +28,8 @@ import mlx.core as mx
 import pytest
 
 from compass_data import tiny, toy
-from scripts._lib import mlx_vlm_run
-from tests.lib.vendored import vendored
+from tests.support import mlx_vlm_run
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -225,7 +225,7 @@ SERVER_SETTINGS = {
 
 @pytest.mark.parametrize("setting", sorted(SERVER_SETTINGS))
 def test_server_kv_bits_one_request(tmp_path, setting):
-    from scripts._lib.server import Server, reply_text
+    from tests.support.server import Server, reply_text
 
     args = SERVER_SETTINGS[setting] + ["--quantized-kv-start", "0"]
     missing = [a for a in args if a.startswith("--") and a not in _server_flags()]

@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from compass_data import tiny
-from scripts._lib import model_outputs as recorder
-from tests.lib.reference_probe import reference_problem
+from tests.support import model_outputs as recorder
+from tests.support.reference_probe import reference_problem
 
 LIVE_CASES = ["text_short", "img_448"]
 # transformers recomputed on another CPU than the recording one differs from the fixtures by up
@@ -35,7 +35,7 @@ def _why_no_reference():
         return f"needs torch and transformers >= 5.21 (the mlxvlm-0.7.10 env): {e}"
     if not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         return f"transformers {transformers.__version__} has no CohereCompassForConditionalGeneration"
-    return reference_problem()  # tests/lib/reference_probe.py
+    return reference_problem()  # tests/support/reference_probe.py
 
 
 def _sha256(path: pathlib.Path) -> str:

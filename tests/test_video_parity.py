@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.cases import case_inputs
-from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
-from scripts._lib.recorded import VIDEO_INDEX, video_case
-from tests.lib.vendored import vendored
+from tests.support.cases import case_inputs
+from tests.support.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
+from tests.support.recorded import VIDEO_INDEX, video_case
+from tests.support.vendored import vendored
 
 positions = vendored("positions")
 

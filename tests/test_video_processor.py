@@ -32,8 +32,8 @@ from PIL import Image
 
 from compass_data.clips import make_clip
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib import video_processor as recorder  # inputs of the cases, never expected values
-from tests.lib.vendored import by_path
+from tests.support import video_processor as recorder  # inputs of the cases, never expected values
+from tests.support.vendored import by_path
 
 pc = by_path("processing_cohere_compass", "compass_video_under_test")
 vpc = by_path("video_processing_cohere_compass", "compass_video_under_test")
@@ -53,7 +53,7 @@ VIDEO_PART = "<|VISION_START|><|VIDEO_PAD|><|VISION_END|>"
 @functools.lru_cache(maxsize=None)
 def expected(name: str) -> dict:
     """The recorded arrays of a case, pixel values unpacked."""
-    from scripts._lib.video_fixtures import unpack_levels  # the recorder's packing, reversed
+    from tests.support.video_fixtures import unpack_levels  # the recorder's packing, reversed
 
     with np.load(FIXTURES / INDEX["cases"][name]["file"], allow_pickle=False) as archive:
         arrays = dict(archive)

@@ -10,7 +10,7 @@ default toy checkpoint, the reference's own processor (``AutoProcessor``, frames
 ``do_sample_frames=False`` and explicit metadata, so the frame rules are the processor fixtures'
 business, not these) turns the messages and clips into inputs, and
 ``CohereCompassForConditionalGeneration`` (float32, eager, CPU) gives: ``input_ids``,
-``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, ``scripts._lib.video_fixtures``),
+``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, ``tests.support.video_fixtures``),
 ``video_grid_thw``, the image inputs where the case has an image, ``position_ids`` and
 ``rope_deltas`` from ``get_rope_index``, ``video_features`` and ``video_deepstack_features``,
 ``prefill_logits`` [L, V], and 32 greedy ids with their logits (no cache, checked against the
@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from compass_data import clips, tiny, toy
-from scripts._lib import reference as _reference
-from scripts._lib.video_fixtures import pack_levels, read_all_frames
+from tests.support import reference as _reference
+from tests.support.video_fixtures import pack_levels, read_all_frames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "video_model"

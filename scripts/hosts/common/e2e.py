@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # run as a file: the host scripts import scripts.hosts.common.e2e
     sys.path.insert(0, str(ROOT))
 
-from scripts._lib.server import Process, free_port  # noqa: E402
+from tests.support.server import Process, free_port  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
 PROBE_DIR = Path(__file__).resolve().parent / "probe"

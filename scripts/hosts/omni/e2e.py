@@ -53,7 +53,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from scripts._lib.server import Process, free_port  # noqa: E402
 from scripts.hosts.common.e2e import (  # noqa: E402
     AUTOPATCH,
     FIXTURES,
@@ -76,6 +75,7 @@ from scripts.hosts.common.e2e import (  # noqa: E402
     versions,
     wait_ready,
 )
+from tests.support.server import Process, free_port  # noqa: E402
 
 NAME = "omni"
 LAUNCH = Path(__file__).resolve().parent / "launch.py"

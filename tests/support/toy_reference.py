@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from scripts._lib import reference as _reference
+from tests.support import reference as _reference
 
 MAX_NEW_TOKENS = 28
 

@@ -31,7 +31,7 @@ def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.
 
 def unpack_levels(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
     """Pixel values [N, 3*T*P*P] float32 from per-channel codes into a table of values
-    (``scripts/_lib/video_fixtures.py`` ``pack_levels``: every temporal slot stored)."""
+    (``tests/support/video_fixtures.py`` ``pack_levels``: every temporal slot stored)."""
     n = codes.shape[0]
     values = np.take_along_axis(levels[None], codes.reshape(n, 3, -1).astype(np.intp), axis=-1)
     return values.reshape(codes.shape)

@@ -9,7 +9,7 @@ import functools
 import json
 import pathlib
 
-from scripts._lib.cases import read_case_arrays, read_video_case
+from tests.support.cases import read_case_arrays, read_video_case
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 REFERENCE_DIR = FIXTURES / "reference"

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from compass_data import tiny
-from scripts._lib import reference as _reference
-from scripts._lib.video_fixtures import pack_levels, unpack_levels
+from tests.support import reference as _reference
+from tests.support.video_fixtures import pack_levels, unpack_levels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -270,7 +270,7 @@ def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
 
 
 def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixel_values`. ``scripts._lib.cases`` has its own: this
+    """Inverse of :func:`pack_pixel_values`. ``tests.support.cases`` has its own: this
     script must not import compass_compat (importing it patches mlx-vlm)."""
     n = pixel_values_codes.shape[0]
     frame0 = unpack_levels(pixel_values_codes, pixel_values_levels).reshape(n, 3, 1, -1)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from compass_compat.vendor import vendor_root, within
-from scripts._lib.cases import (
+from tests.support.cases import (
     LOGIT_TOL,
     N_GREEDY,
     PIXEL_TOL,
@@ -30,7 +30,7 @@ from scripts._lib.cases import (
     stream_ids,
     token_list,
 )
-from tests.lib.vendored import PACKAGE, upstream_ships
+from tests.support.vendored import PACKAGE, upstream_ships
 
 FIRST_UPSTREAM_RELEASE = "0.6.13"
 QUANT_GROUP, QUANT_BITS = 64, 4

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from scripts._lib.cases import case_inputs, max_abs
+from tests.support.cases import case_inputs, max_abs
 
 
 def image_kwargs(case: Dict) -> Dict:
