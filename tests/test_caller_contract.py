@@ -294,7 +294,7 @@ def test_two_stream_generate_generators_advanced_in_turn(loaded, reference, fixt
     from mlx_vlm import stream_generate
 
     model, processor = loaded
-    streams, got = {}, {}
+    streams, got = {}, {}  # not cases.stream_ids: two generators advanced in turn, not one drained
     for name in ("img_448", "text_long"):
         meta = reference(name)["meta"]
         images = [str(fixture_images[f]) for f in meta["images"]] or None

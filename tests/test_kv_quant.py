@@ -48,6 +48,7 @@ def _generate_step():
 
 def _stream(loaded, text: str, images: List[str], max_tokens: int, **kwargs) -> Dict[str, object]:
     """Greedy ids and whether every step's log-probabilities were finite, via stream_generate."""
+    # Not cases.stream_ids: this reads each step's log-probabilities as well as its token.
     from mlx_vlm import stream_generate
 
     prompt = mlx_vlm_run.chat_prompt(loaded, text, len(images))

@@ -32,12 +32,12 @@ from compass_compat.vendor import vendor_root, within
 from compass_data.tiny import build_tiny_checkpoint
 from tests.support import live
 from tests.support.cases import N_GREEDY, case_inputs, max_abs
-from tests.support.recorded import FIXTURES, VIDEO_INDEX, VIDEO_MODEL_DIR
+from tests.support.recorded import FIXTURES, VIDEO_INDEX, VIDEO_MODEL_DIR, ReferenceFixtures
 from tests.support.vendored import PACKAGE, implementation_under_test, upstream_ships
 
 KIND = implementation_under_test()
 IMAGES = FIXTURES / "images"
-INDEX = json.loads((FIXTURES / "reference" / "index.json").read_text(encoding="utf-8"))["cases"]
+INDEX = ReferenceFixtures().index["cases"]
 TEXT_CASES = [name for name, meta in INDEX.items() if meta["kind"] == "text"]
 IMAGE_CASES = [name for name, meta in INDEX.items() if meta["kind"] == "image"]
 VIDEO_CASES = VIDEO_INDEX["checkpoints"]["tiny"]

@@ -93,6 +93,7 @@ def mlx_vlm_stream_is_thread_local() -> bool:
 # (never failed in CI).
 CONCURRENT_THREADS = streams_belong_to_their_thread()
 
+# Its own stream_generate loop (not cases.stream_ids): the script is a user's fresh process, compass_compat and mlx-vlm only.
 FRESH_SCRIPT = textwrap.dedent(
     """
     import json, sys

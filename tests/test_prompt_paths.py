@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
+from tests.support.recorded import VIDEO_PROCESSOR_INDEX, video_processor_case
 from tests.support.vendored import vendored
 
 vendored()  # our processor on every pin (0.7.10: its default run)
@@ -188,10 +189,7 @@ def test_processor_call_tokenizes_the_reference_rendering(loaded, reference, ima
 
 def video_fixture(name: str) -> dict:
     """A recorded case of tests/fixtures/video (transformers' processor on the same tiny checkpoint)."""
-    folder = Path(__file__).resolve().parent / "fixtures" / "video"
-    case = json.loads((folder / "index.json").read_text(encoding="utf-8"))["cases"][name]
-    with np.load(folder / case["file"], allow_pickle=False) as arrays:
-        return {**case, "input_ids": arrays["input_ids"]}
+    return {**VIDEO_PROCESSOR_INDEX["cases"][name], "input_ids": video_processor_case(name)["input_ids"]}
 
 
 def test_processor_takes_video_on_every_way_in(loaded, reference, image):

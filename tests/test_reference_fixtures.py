@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 from compass_data import tiny
 from tests.support import model_outputs as recorder
+from tests.support.pixels import unpack_pixel_values
 from tests.support.reference_probe import reference_problem
 
 LIVE_CASES = ["text_short", "img_448"]
@@ -254,7 +255,7 @@ def test_recorded_fixtures_are_current(reference, case):
     if "pixel_values_codes" in live:
         # The recorder checks that its packing is lossless; this checks the fixture reader's unpacking.
         codes, levels = live.pop("pixel_values_codes"), live.pop("pixel_values_levels")
-        live["pixel_values"] = recorder.unpack_pixel_values(codes, levels)
+        live["pixel_values"] = unpack_pixel_values(codes, levels)
     assert live.keys() == recorded.keys() - {"meta"}
     assert index["checkpoint"] == reference.index["checkpoint"]
     assert index["cases"][case] == recorded["meta"]

@@ -48,7 +48,7 @@ import numpy as np
 
 from compass_data import clips, tiny
 from tests.support import reference as _reference
-from tests.support.video_fixtures import pack_levels
+from tests.support.pixels import pack_levels
 from tests.support.video_processor import VARIANTS, write_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
