@@ -20,6 +20,15 @@ def tiny_ckpt_original(tmp_path_factory) -> pathlib.Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_original"), layout="original")
 
 
+@pytest.fixture(scope="module")
+def model(tiny_ckpt_original):
+    """The tiny checkpoint through mlx-vlm's ``load_model``, one per test module (a module that
+    needs another model defines its own ``model``)."""
+    from mlx_vlm.utils import load_model
+
+    return load_model(tiny_ckpt_original)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt_mlx(tmp_path_factory) -> pathlib.Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mlx"), layout="mlx")

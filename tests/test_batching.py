@@ -42,13 +42,6 @@ CACHE_MODULES = _batch_cache_modules()
 needs_batch_caches = pytest.mark.skipif(not CACHE_MODULES, reason="no batch caches in this pin's mlx-lm / mlx-vlm")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
-
-
 def batch_cache(model, module, left_padding: List[int]):
     return [
         module.BatchRotatingKVCache(layer.self_attn.window, left_padding)

@@ -54,13 +54,6 @@ TEXT = ["text_short", "text_long"]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
-
-
-@pytest.fixture(scope="module")
 def cases(reference) -> Dict[str, Case]:
     return {name: reference_case(reference, name) for name in ALL}
 

@@ -11,13 +11,6 @@ from tests.support.vendored import vendored
 compass = vendored("cohere_compass")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
-
-
 def logits(model, case, **kw):
     kw = {**image_kwargs(case), **kw}
     pixel_values = kw.pop("pixel_values") if "cached_image_features" not in kw else None

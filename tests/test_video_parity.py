@@ -21,13 +21,6 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
-
-
-@pytest.fixture(scope="module")
 def toy_model(tmp_path_factory):
     from mlx_vlm.utils import load_model
 
