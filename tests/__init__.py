@@ -1,1 +1,1 @@
-"""The test suite; a package so that its helpers import as ``tests.lib.<module>``."""
+"""The test suite; a package so that its helpers import as ``tests.support.<module>``."""

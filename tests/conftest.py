@@ -9,8 +9,8 @@ import pathlib
 import pytest
 
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib import checklist
-from scripts._lib.recorded import ReferenceFixtures
+from tests.support import checklist
+from tests.support.recorded import ReferenceFixtures
 
 IMAGES_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "images"
 
@@ -18,6 +18,15 @@ IMAGES_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "images"
 @pytest.fixture(scope="session")
 def tiny_ckpt_original(tmp_path_factory) -> pathlib.Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_original"), layout="original")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt_original):
+    """The tiny checkpoint through mlx-vlm's ``load_model``, one per test module (a module that
+    needs another model defines its own ``model``)."""
+    from mlx_vlm.utils import load_model
+
+    return load_model(tiny_ckpt_original)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +76,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "checklist(*items): the test decides CHECKLIST.md item(s) for the live cohere_compass (`-m checklist`, "
-        "`-m checklist_N`; scripts/_lib/checklist.py)",
+        "`-m checklist_N`; tests/support/checklist.py)",
     )
     for n, name in checklist.item_names().items():
         config.addinivalue_line("markers", f"checklist_{n}: decides CHECKLIST.md item {n} ({name})")
@@ -90,7 +99,7 @@ def recorded_expectation(config):
     if config.getoption("--checklist-measure"):
         return None
     from compass_compat import verdicts
-    from tests.lib.vendored import implementation_under_test
+    from tests.support.vendored import implementation_under_test
 
     release = verdicts.load()["releases"].get(importlib.metadata.version("mlx-vlm"))
     if release is None:

@@ -31,7 +31,7 @@ import mlx_vlm
 import pytest
 from packaging.version import Version
 
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train" / "trained_text.py"
@@ -143,7 +143,7 @@ def test_full_fine_tune_reloads_with_the_trained_text(tiny_ckpt_original, full):
 @pytest.fixture(scope="module")
 def servers(tiny_ckpt_original, lora, tmp_path_factory):
     """mlx-vlm's server with ``--adapter-path`` and one without it (a request names the adapter)."""
-    from scripts._lib.server import VERSION, Server, serving
+    from tests.support.server import VERSION, Server, serving
 
     if VERSION.major == 0 and VERSION.minor < 6:
         pytest.skip(f"mlx-vlm {VERSION}'s server routes are not the chat completions these requests use")
@@ -159,7 +159,7 @@ def servers(tiny_ckpt_original, lora, tmp_path_factory):
 def ask(server, record: Dict[str, str], **fields) -> str:
     import urllib.request
 
-    from scripts._lib.server import REQUEST_TIMEOUT, data_uri, reply_text
+    from tests.support.server import REQUEST_TIMEOUT, data_uri, reply_text
 
     image = {"type": "image_url", "image_url": {"url": data_uri(pathlib.Path(record["image"]).read_bytes())}}
     content = [image, {"type": "text", "text": record["prompt"]}]

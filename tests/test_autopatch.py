@@ -1,6 +1,6 @@
 """The opt-in autopatch imports nothing at startup and patches mlx-vlm when the host imports it.
 
-Every case is a fresh interpreter built by ``scripts/_lib/hook_venv.py``: it sees this pin
+Every case is a fresh interpreter built by ``tests/support/hook_venv.py``: it sees this pin
 env's packages and this tree's code, with this tree's ``.pth`` and hook module at the top of
 its site-packages as the wheel puts them (the pin env's own installed copies may be an older
 tree's). The probes that import mlx-vlm start together and are awaited once.
@@ -20,9 +20,9 @@ import pytest
 
 import compass_compat
 from compass_compat import startup
-from scripts._lib import hook_venv
-from tests.lib.cli_run import greedy_cli_output
-from tests.lib.vendored import upstream_ships
+from tests.support import hook_venv
+from tests.support.cli_run import greedy_cli_output
+from tests.support.vendored import upstream_ships
 
 UPSTREAM_SHIPS = upstream_ships()
 HEAVY = ("compass_compat", "mlx", "mlx_vlm", "transformers", "numpy", "PIL", "torch")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scripts._lib.mlx_vlm_run import chat_prompt as prompt_for
-from tests.lib.host_calls import MAX_TOKENS, generate, load
-from tests.lib.images import png_claiming
-from tests.lib.vendored import vendored
+from tests.support.host_calls import MAX_TOKENS, generate, load
+from tests.support.images import png_claiming
+from tests.support.mlx_vlm_run import chat_prompt as prompt_for
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -192,7 +192,7 @@ def test_empty_prompt_generates_from_bos(loaded):
 
 
 def test_prompt_longer_than_several_sliding_windows(loaded, reference):
-    from scripts._lib.parity import greedy
+    from tests.support.parity import greedy
 
     case = reference("text_long")  # 132 tokens: more than 8 windows of 16
     want = case["greedy_ids"].tolist()[:MAX_TOKENS]

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import pytest
 
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 vendored()
 mlx_vlm = pytest.importorskip("mlx_vlm")

@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.cases import case_inputs
-from scripts._lib.parity import image_kwargs
-from scripts._lib.recorded import video_case
-from tests.lib.vendored import vendored
+from tests.support.cases import case_inputs
+from tests.support.parity import image_kwargs
+from tests.support.recorded import video_case
+from tests.support.vendored import vendored
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here
 TOL = 1e-4
@@ -40,13 +40,6 @@ def _batch_cache_modules():
 
 CACHE_MODULES = _batch_cache_modules()
 needs_batch_caches = pytest.mark.skipif(not CACHE_MODULES, reason="no batch caches in this pin's mlx-lm / mlx-vlm")
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
 
 
 def batch_cache(model, module, left_padding: List[int]):
@@ -278,7 +271,7 @@ def test_batch_decode_does_not_use_the_last_prefills_delta(model, reference, mod
 @needs_batch_caches
 @pytest.mark.parametrize("module", CACHE_MODULES)
 def test_batch_decode_builds_its_graph_without_host_sync(model, reference, module):
-    from scripts._lib.host_sync import HostSyncGuard
+    from tests.support.host_sync import HostSyncGuard
 
     names = ["img_448", "text_long"]
     rows = [Row(model, reference(n)) for n in names]

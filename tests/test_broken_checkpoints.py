@@ -1,4 +1,4 @@
-"""Broken checkpoints (tests/lib/broken_checkpoints.py): ``mlx_vlm.load`` raises one line naming the
+"""Broken checkpoints (tests/support/broken_checkpoints.py): ``mlx_vlm.load`` raises one line naming the
 file and the remedy. Most are the refusal of the library that reads the file (mlx, mlx-vlm, the
 vendored model or processor) with its words kept; ``validate_checkpoint`` refuses only what the
 library would load unsafely (docs/checkpoint-files.md has the measured table).
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.lib.broken_checkpoints import BROKEN, LOADS, make_broken
-from tests.lib.checkpoints import quantize_checkpoint
-from tests.lib.host_calls import MAX_TOKENS, generate, load
-from tests.lib.vendored import vendored
+from tests.support.broken_checkpoints import BROKEN, LOADS, make_broken
+from tests.support.checkpoints import quantize_checkpoint
+from tests.support.host_calls import MAX_TOKENS, generate, load
+from tests.support.vendored import vendored
 
 compass = vendored("cohere_compass")
 

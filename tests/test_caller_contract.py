@@ -1,6 +1,6 @@
 """The caller contract (docs/model-contract.md), item by item, against the one-shot reference.
 
-Each driver (scripts/_lib/contract.py) calls the model the way one kind of caller does (mlx-vlm's
+Each driver (tests/support/contract.py) calls the model the way one kind of caller does (mlx-vlm's
 generate, batch and server paths; LM Studio's engine, Rapid-MLX, vMLX, oMLX) and returns the
 logits of the prompt's last token and of each teacher-forced decode step. Ours is compared with
 the recorded transformers fixtures (prefill and step logits within 1e-4, greedy ids exact),
@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.contract import (
+from tests.support.contract import (
     DECODES,
     KEPT,
     STEPS,
@@ -43,7 +43,7 @@ from scripts._lib.contract import (
     reference_case,
     run_decode,
 )
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 vendored()  # upstream's own package, where live, is measured by the checklist, not here
 
@@ -51,13 +51,6 @@ vendored()  # upstream's own package, where live, is measured by the checklist, 
 
 ALL = ["text_short", "text_long", "img_448", "img_two"]
 TEXT = ["text_short", "text_long"]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +287,7 @@ def test_two_stream_generate_generators_advanced_in_turn(loaded, reference, fixt
     from mlx_vlm import stream_generate
 
     model, processor = loaded
-    streams, got = {}, {}
+    streams, got = {}, {}  # not cases.stream_ids: two generators advanced in turn, not one drained
     for name in ("img_448", "text_long"):
         meta = reference(name)["meta"]
         images = [str(fixture_images[f]) for f in meta["images"]] or None

@@ -2,7 +2,7 @@
 
 The chat runs as a user runs it with the opt-in patch (``compass_compat run -- python -m
 mlx_vlm.chat``, i.e. ``COMPASS_COMPAT_AUTOPATCH=1``), in a throw-away interpreter holding this
-tree's hook (scripts/_lib/hook_venv.py). One chat per checkpoint reads a script on stdin:
+tree's hook (tests/support/hook_venv.py). One chat per checkpoint reads a script on stdin:
 a text turn, ``/clear``, ``/image``, a picture turn, then a follow-up on the same picture.
 
 - The text and picture turns print ``python -m compass_compat generate``'s greedy text for the
@@ -23,8 +23,8 @@ import pytest
 
 from compass_compat import startup
 from compass_data.toy import build_toy_checkpoint
-from scripts._lib import hook_venv
-from tests.lib.cli_run import greedy_cli_output
+from tests.support import hook_venv
+from tests.support.cli_run import greedy_cli_output
 
 MAX_TOKENS = 12
 TEXT_PROMPT = "Hello there"

@@ -2,11 +2,11 @@
 planted defect flips the item it breaks.
 
 For the defect, a pytest run in a subprocess, the vendored package live with one deliberate defect planted
-(tests/lib/defects.py), selects the marked tests of item 2 and an unrelated item, writes junit
-XML, and the pin-bump job's reducer (scripts/_lib/checklist.py) turns it into verdicts: the
+(tests/support/defects.py), selects the marked tests of item 2 and an unrelated item, writes junit
+XML, and the pin-bump job's reducer (tests/support/checklist.py) turns it into verdicts: the
 defect's item FAILs with the evidence the reference gives, the other item keeps passing. It runs
 in the newest pin's default run of the matrix (the vendored code it breaks is the same on every
-pin); tests/lib/defects.py holds the other defects CHECKLIST.md lists, for a run by hand.
+pin); tests/support/defects.py holds the other defects CHECKLIST.md lists, for a run by hand.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import mlx_vlm
 import pytest
 
 from compass_compat import verdicts as record
-from scripts._lib import checklist
-from tests.lib.defects import DEFECTS, ENV
-from tests.lib.vendored import switch_from_env
+from tests.support import checklist
+from tests.support.defects import DEFECTS, ENV
+from tests.support.vendored import switch_from_env
 
 REPO = Path(__file__).resolve().parents[1]
 ENVS = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
@@ -100,7 +100,7 @@ def measured(tmp_path: Path, defect: str, selection: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPASS_COMPAT_")}
     env.update(COMPASS_COMPAT_IMPLEMENTATION="vendored", **{ENV: defect})
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-p", "tests.lib.defects"]
+        [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-p", "tests.support.defects"]
         + ["-m", selection, "--checklist-measure", f"--junitxml={junit}"],
         capture_output=True,
         text=True,

@@ -147,7 +147,7 @@ def _reference_text(case, tokenizer_dir: Path) -> str:
 @pytest.mark.parametrize("name", ["img_448", "img_two"])
 def test_generate_prints_the_transformers_greedy_text(capsys, tiny_ckpt_original, reference, fixture_images, name):
     """The CLI's text for a reference case is the decoded greedy ids transformers recorded."""
-    from tests.lib.vendored import vendored
+    from tests.support.vendored import vendored
 
     vendored()  # the reference is transformers' model; upstream 0.7.10's differs
     case = reference(name)
@@ -198,7 +198,7 @@ PAST_POSITIONS = re.compile(
 @pytest.mark.parametrize("entry", ["compass_compat", "mlx_vlm.generate"])
 def test_a_prompt_past_the_positions_gets_one_warning_line(few_positions, tmp_path, entry):
     """From the model package, so mlx-vlm's own CLI shows it too; the header shortens the prompt."""
-    from tests.lib.vendored import vendored
+    from tests.support.vendored import vendored
 
     vendored()  # the warning is our package's
     env = {**cli_env(tmp_path), "COMPASS_COMPAT_AUTOPATCH": "1"}

@@ -3,8 +3,8 @@
 import pytest
 
 from compass_data import tiny
-from tests.lib.reference_head import REFERENCE_HEAD
-from tests.lib.vendored import vendored
+from tests.support.reference_head import REFERENCE_HEAD
+from tests.support.vendored import vendored
 
 cfg = vendored("config")
 

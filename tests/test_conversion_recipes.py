@@ -4,7 +4,7 @@ Every recipe the pin's ``python -m mlx_vlm.convert`` offers (read from its own a
 not from version numbers): the mixed-bit recipes (``--quant-predicate mixed_*``), the float
 quantization modes (``--q-mode mxfp4 / nvfp4 / mxfp8``) and AWQ (``--quant-method awq``, text and
 multimodal calibration). Each runs through the pin's converter (its parser and ``convert``) on
-the tiny checkpoint (the recipes and checks: scripts/_lib/recipes.py).
+the tiny checkpoint (the recipes and checks: tests/support/recipes.py).
 
 "Answers right", measured three ways:
 
@@ -38,7 +38,7 @@ import compass_compat
 from compass_compat import probes
 from compass_compat.checkpoint_checks import CheckpointError
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib.recipes import (
+from tests.support.recipes import (
     ALL,
     BF16_ULPS,
     FP_MODES,
@@ -96,14 +96,14 @@ def _load(path: pathlib.Path):
 
 @functools.lru_cache(maxsize=None)
 def _cases():
-    from scripts._lib.recorded import ReferenceFixtures
+    from tests.support.recorded import ReferenceFixtures
 
     fixtures = ReferenceFixtures()
     return [fixtures("text_medium"), fixtures("img_448")]
 
 
 def logits(model) -> list:
-    from scripts._lib.parity import prefill
+    from tests.support.parity import prefill
 
     return [np.array(prefill(model, case).astype(mx.float32)) for case in _cases()]
 

@@ -4,18 +4,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.mlx_vlm_run import greedy_ids
-from scripts._lib.parity import image_kwargs
-from tests.lib.vendored import vendored
+from tests.support.mlx_vlm_run import greedy_ids
+from tests.support.parity import greedy, image_kwargs
+from tests.support.vendored import vendored
 
 compass = vendored("cohere_compass")
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
 
 
 def logits(model, case, **kw):
@@ -115,20 +108,10 @@ def test_greedy_generation_with_replayed_features(model, reference):
     case = reference("img_501x379")
     enc = encode(model, case)
 
-    def run(**kw):
-        cache = model.language_model.make_cache()
-        kw = {**image_kwargs(case), **kw}
-        pv = None if "cached_image_features" in kw else kw["pixel_values"]
-        kw.pop("pixel_values")
-        y = int(mx.argmax(model(mx.array(case["input_ids"]), pv, cache=cache, **kw).logits[0, -1]).item())
-        ids = [y]
-        for _ in range(31):
-            y = int(mx.argmax(model.language_model(mx.array([[y]]), cache=cache).logits[0, -1]).item())
-            ids.append(y)
-        return ids
-
-    uncached = run()
-    assert uncached == run(cached_image_features=enc) == case["greedy_ids"].tolist()
+    uncached = greedy(model, case, 32)
+    assert (
+        uncached == greedy(model, case, 32, pixel_values=None, cached_image_features=enc) == case["greedy_ids"].tolist()
+    )
 
 
 def test_mismatched_replay_raises_the_count_error(model, reference):

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from tests.lib import feature_surface as surface
+from tests.support import feature_surface as surface
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

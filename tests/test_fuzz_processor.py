@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.lib.vendored import by_path, default_run_only
+from tests.support.vendored import by_path, default_run_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "compass_data" / "tiny_tokenizer"

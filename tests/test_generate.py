@@ -2,8 +2,8 @@
 
 import pytest
 
-from scripts._lib.mlx_vlm_run import greedy_ids
-from tests.lib.vendored import vendored
+from tests.support.mlx_vlm_run import greedy_ids
+from tests.support.vendored import vendored
 
 vendored()
 

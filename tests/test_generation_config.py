@@ -15,7 +15,7 @@ import pytest
 
 from compass_compat import cli
 from compass_data.tiny import build_tiny_checkpoint
-from tests.lib.generation_config import (
+from tests.support.generation_config import (
     GENERATION_CONFIGS,
     MAX_TOKENS,
     PROMPT,

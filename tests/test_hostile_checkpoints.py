@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.lib.checkpoints import copy_checkpoint, edit_json
-from tests.lib.host_calls import generate, load
-from tests.lib.vendored import vendored
+from tests.support.checkpoints import copy_checkpoint, edit_json
+from tests.support.host_calls import generate, load
+from tests.support.vendored import vendored
 
 processing = vendored("processing_cohere_compass")
 

@@ -8,7 +8,7 @@ behaves exactly as an interpreter that never saw the package: same output, same 
 nothing imported at startup. tests/test_autopatch.py covers the hook itself.
 
 The host processes run in a venv with this tree's hook installed as the wheel installs it
-(``scripts/_lib/hook_venv.py``: the pin env's installed copies may be an older tree's); the
+(``tests/support/hook_venv.py``: the pin env's installed copies may be an older tree's); the
 first two tests check the pin env's own installation. "Without the package" is a real
 interpreter: a venv that sees this pin env's site-packages through a plain path line, so none
 of the pin env's ``.pth`` files (our hook, the editable install) run in it. The heavy
@@ -31,9 +31,9 @@ import pytest
 
 import compass_compat
 from compass_compat import startup
-from scripts._lib import hook_venv
-from tests.lib.cli_run import greedy_cli_output
-from tests.lib.vendored import upstream_ships
+from tests.support import hook_venv
+from tests.support.cli_run import greedy_cli_output
+from tests.support.vendored import upstream_ships
 
 # Whether this mlx-vlm ships its own models/cohere_compass (0.6.13 was the first release that did).
 UPSTREAM_SHIPS = upstream_ships()

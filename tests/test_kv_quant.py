@@ -28,8 +28,8 @@ import mlx.core as mx
 import pytest
 
 from compass_data import tiny, toy
-from scripts._lib import mlx_vlm_run
-from tests.lib.vendored import vendored
+from tests.support import mlx_vlm_run
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -48,6 +48,7 @@ def _generate_step():
 
 def _stream(loaded, text: str, images: List[str], max_tokens: int, **kwargs) -> Dict[str, object]:
     """Greedy ids and whether every step's log-probabilities were finite, via stream_generate."""
+    # Not cases.stream_ids: this reads each step's log-probabilities as well as its token.
     from mlx_vlm import stream_generate
 
     prompt = mlx_vlm_run.chat_prompt(loaded, text, len(images))
@@ -225,7 +226,7 @@ SERVER_SETTINGS = {
 
 @pytest.mark.parametrize("setting", sorted(SERVER_SETTINGS))
 def test_server_kv_bits_one_request(tmp_path, setting):
-    from scripts._lib.server import Server, reply_text
+    from tests.support.server import Server, reply_text
 
     args = SERVER_SETTINGS[setting] + ["--quantized-kv-start", "0"]
     missing = [a for a in args if a.startswith("--") and a not in _server_flags()]

@@ -4,12 +4,12 @@ These tests drive the package only through mlx-vlm's own entry points (``mlx_vlm
 ``Model.__call__``, ``generate_step``, ``stream_generate``, the processor ``mlx_vlm.load`` built),
 so they measure upstream's package as well as ours. The implementation under test is
 upstream's with ``COMPASS_COMPAT_IMPLEMENTATION=upstream`` (on a release without one its tests
-FAIL, saying so) and otherwise the one the documented rule makes live (tests/lib/vendored.py
+FAIL, saying so) and otherwise the one the documented rule makes live (tests/support/vendored.py
 ``implementation_under_test``). None of them skips for the implementation: a skip would measure
 nothing. Each carries ``@pytest.mark.checklist(N)``; the pin-bump job runs them with each
-implementation live and reduces the outcomes to the item verdicts (scripts/_lib/checklist.py).
+implementation live and reduces the outcomes to the item verdicts (tests/support/checklist.py).
 
-Items 5 and 6 run in fresh interpreters (tests/lib/probes): for upstream one that never imports
+Items 5 and 6 run in fresh interpreters (tests/support/probes): for upstream one that never imports
 compass_compat, as a host without the shim sees mlx-vlm.
 """
 
@@ -30,18 +30,18 @@ import pytest
 
 from compass_compat.vendor import vendor_root, within
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib.cases import N_GREEDY, case_inputs, max_abs
-from scripts._lib.recorded import FIXTURES, VIDEO_INDEX, VIDEO_MODEL_DIR
-from tests.lib import live
-from tests.lib.vendored import PACKAGE, implementation_under_test, upstream_ships
+from tests.support import live
+from tests.support.cases import N_GREEDY, case_inputs, max_abs
+from tests.support.recorded import FIXTURES, VIDEO_INDEX, VIDEO_MODEL_DIR, ReferenceFixtures
+from tests.support.vendored import PACKAGE, implementation_under_test, upstream_ships
 
 KIND = implementation_under_test()
 IMAGES = FIXTURES / "images"
-INDEX = json.loads((FIXTURES / "reference" / "index.json").read_text(encoding="utf-8"))["cases"]
+INDEX = ReferenceFixtures().index["cases"]
 TEXT_CASES = [name for name, meta in INDEX.items() if meta["kind"] == "text"]
 IMAGE_CASES = [name for name, meta in INDEX.items() if meta["kind"] == "image"]
 VIDEO_CASES = VIDEO_INDEX["checkpoints"]["tiny"]
-PROBES = Path(__file__).resolve().parent / "lib" / "probes"
+PROBES = Path(__file__).resolve().parent / "support" / "probes"
 PROBE_TIMEOUT = 600
 
 
@@ -161,7 +161,7 @@ def test_encode_image_replay_gives_identical_logits(original, reference, name):
 
 
 def run_probe(script: str, args: Sequence[str] = ()) -> Dict[str, Any]:
-    """``tests/lib/probes/<script>`` in a fresh interpreter (cwd /, so the checkout is not on sys.path
+    """``tests/support/probes/<script>`` in a fresh interpreter (cwd /, so the checkout is not on sys.path
     unless the vendored package is under test) and its JSON line."""
     vendored = KIND == "vendored"
     # No COMPASS_COMPAT_* switch leaks in (COMPASS_COMPAT_AUTOPATCH=1 would import the shim at start).

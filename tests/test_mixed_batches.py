@@ -14,7 +14,7 @@ in the scheduled job, scripts/hosts/common/mixed_soak.py):
   or text only) was sent before.
 
 Each case sends a request with a long prefill, then the batch's requests at once while it
-prefills (scripts/_lib/mixed_batches.py). Every answer must equal that request's answer alone
+prefills (tests/support/mixed_batches.py). Every answer must equal that request's answer alone
 (the same server, one request at a time, prefix cache off; tests/test_server_concurrency.py ties
 those to the CLI). The cut a case names is observed in the server by the hosts' probe. Measured
 before the fix (main a9dee8d): on 0.6.12 3 of the 11 cases (every batch with a picture row and a
@@ -29,7 +29,7 @@ from typing import List, Optional
 
 import pytest
 
-from scripts._lib.mixed_batches import (
+from tests.support.mixed_batches import (
     BIG,
     CUTS,
     HOLDS,
@@ -50,8 +50,8 @@ from scripts._lib.mixed_batches import (
     start,
     text,
 )
-from scripts._lib.server import VERSION, reply_text, serving
-from tests.lib.vendored import vendored
+from tests.support.server import VERSION, reply_text, serving
+from tests.support.vendored import vendored
 
 vendored()  # upstream 0.7.10's own cohere_compass fails mixed batches ([broadcast_shapes], measured)
 
@@ -229,7 +229,7 @@ def test_a_refused_request_fails_alone(servers, alone):
 # Identical requests (issue 44): a picture request already decoding when the same request
 # arrives with another. With the prefix cache on, the repeated request restores the first one's
 # prefix and is prefilled beside a cold row; mlx-vlm 0.6.12 then samples its first token from a
-# padding column (the pin's: scripts/_lib/batch_server.py pin_samples_a_padding_column, measured
+# padding column (the pin's: tests/support/batch_server.py pin_samples_a_padding_column, measured
 # with a model-free echo model; 0.7.x fixed it). Through the server on pins where it holds,
 # and in process, with the pin's own admission, on every batching pin (a strict xfail where the
 # pin samples padding).
@@ -239,7 +239,7 @@ OTHER = ask(picture("synth_256x320.png"), say("Where is the blue square?"))
 
 @pytest.fixture(scope="module")
 def pin_samples_padding() -> bool:
-    from scripts._lib.batch_server import pin_samples_a_padding_column
+    from tests.support.batch_server import pin_samples_a_padding_column
 
     return pin_samples_a_padding_column()
 
@@ -282,7 +282,7 @@ def _inputs(loaded, request: Ask, tag: int):
 
 @pytest.mark.parametrize("prefix_cache", [False, True], ids=["prefix_cache_off", "prefix_cache_on"])
 def test_identical_requests_in_the_pins_admission_answer_as_alone(loaded, prefix_cache, pin_samples_padding, request):
-    from scripts._lib.batch_server import serve
+    from tests.support.batch_server import serve
 
     if prefix_cache and pin_samples_padding:
         request.applymarker(

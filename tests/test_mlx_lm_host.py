@@ -21,8 +21,8 @@ import pytest
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, remove_patch
 from compass_compat._patch import MLX_LM_ENV
-from scripts._lib.parity import greedy, prefill
-from tests.lib.vendored import PACKAGE, is_vendored_file
+from tests.support.parity import greedy, prefill
+from tests.support.vendored import PACKAGE, is_vendored_file
 
 TEXT_CASES = ["text_short", "text_medium", "text_long"]
 TOL = 1e-4  # as tests/test_parity.py

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from compass_data.tiny import tiny_config
-from scripts._lib.host_sync import ARRAY_METHODS, NUMPY_FUNCS, HostSyncError, HostSyncGuard
-from tests.lib.vendored import vendored
+from tests.support.host_sync import ARRAY_METHODS, NUMPY_FUNCS, HostSyncError, HostSyncGuard
+from tests.support.vendored import vendored
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def no_evaluation(min_bytes: int):
         )
 
 
-# The guard (scripts/_lib/host_sync.py) counts for scripts/bench/fullsize.py too; the tests below
+# The guard (tests/support/host_sync.py) counts for scripts/bench/fullsize.py too; the tests below
 # need the vendored model.
 vendored()
 

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.parity import (
+from tests.support.parity import (
     assert_decode_steps_match,
     assert_prefill_matches,
     chunked_prefill,
@@ -13,7 +13,7 @@ from scripts._lib.parity import (
     image_kwargs,
     prefill,
 )
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 compass = vendored("cohere_compass")
 positions = vendored("positions")

@@ -2,12 +2,12 @@
 
 Folders with the published layouts of the files that decide the bounds (CohereLabs'
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose
-files disagree, and from_pretrained / call kwargs (the table: scripts/_lib/pixel_bounds.py,
+files disagree, and from_pretrained / call kwargs (the table: tests/support/pixel_bounds.py,
 the precedence: the "pixel bounds" section of the vendored image processor). Expected values come
 from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
 tests/fixtures/pixel_bounds.json, recorded from it by scripts/reference/pixel_bounds.py, on
 every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor, the checkpoint checks
-and checklist item 3's probe (tests/lib/live.py) all use the one resolution.
+and checklist item 3's probe (tests/support/live.py) all use the one resolution.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 from compass_compat import checkpoint_checks
 from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib import pixel_bounds as rec
-from tests.lib.reference_probe import reference_problem
-from tests.lib.vendored import default_run_only, vendored
+from tests.support import pixel_bounds as rec
+from tests.support.reference_probe import reference_problem
+from tests.support.vendored import default_run_only, vendored
 
 FIXTURE = json.loads(rec.FIXTURE.read_text(encoding="utf-8"))
 pc = checkpoint_checks.processing_module()  # the vendored processing module, live or by path
@@ -39,7 +39,7 @@ def _has_reference() -> bool:
     # differently there (measured with 5.17: tokenizer_config.json's min_pixels or max_pixels
     # alone is not applied, a call `size` beats a from_pretrained min_pixels); the reference is
     # 5.21+'s behaviour, so one without it is skipped like a missing one.
-    if reference_problem() is not None:  # tests/lib/reference_probe.py
+    if reference_problem() is not None:  # tests/support/reference_probe.py
         return False
     try:
         importlib.import_module("transformers.models.cohere_compass.image_processing_pil_cohere_compass")
@@ -302,8 +302,8 @@ def test_processor_refuses_a_bad_block(loadable, tmp_path):
 
 def test_image_files_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
     """The probe's expected grids are ``pixel_bounds`` of the probed folder: with tokenizer_config.json
-    bounds added to it, the probe expects those (tests/lib/live.py, tests/test_live_package.py)."""
-    from tests.lib import live
+    bounds added to it, the probe expects those (tests/support/live.py, tests/test_live_package.py)."""
+    from tests.support import live
 
     seen = []
     original = checkpoint_checks.pixel_bounds
@@ -323,7 +323,7 @@ def test_image_files_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
 
 
 def test_smart_resize_expectations_are_exact_arithmetic():
-    from tests.lib.live import smart_resize
+    from tests.support.live import smart_resize
 
     # Image preprocessing: 448x448 stays, 20x20 grows to the min bound, 640x480 shrinks.
     assert smart_resize(448, 448, 32, 65536, 16777216) == (448, 448)

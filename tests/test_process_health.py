@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scripts._lib.mlx_vlm_run import chat_prompt as prompt_for
-from tests.lib.broken_checkpoints import BROKEN, make_broken
-from tests.lib.checkpoints import quantize_checkpoint
-from tests.lib.host_calls import generate, load
-from tests.lib.images import png_claiming
-from tests.lib.vendored import vendored
+from tests.support.broken_checkpoints import BROKEN, make_broken
+from tests.support.checkpoints import quantize_checkpoint
+from tests.support.host_calls import generate, load
+from tests.support.images import png_claiming
+from tests.support.mlx_vlm_run import chat_prompt as prompt_for
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -93,6 +93,7 @@ def mlx_vlm_stream_is_thread_local() -> bool:
 # (never failed in CI).
 CONCURRENT_THREADS = streams_belong_to_their_thread()
 
+# Its own stream_generate loop (not cases.stream_ids): the script is a user's fresh process, compass_compat and mlx-vlm only.
 FRESH_SCRIPT = textwrap.dedent(
     """
     import json, sys

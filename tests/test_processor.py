@@ -22,9 +22,9 @@ import pytest
 from PIL import Image
 
 from compass_data import tiny
-from tests.lib.reference_probe import reference_problem
-from tests.lib.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
-from tests.lib.vendored import VENDORED_DIR, by_path, default_run_only
+from tests.support.reference_probe import reference_problem
+from tests.support.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from tests.support.vendored import VENDORED_DIR, by_path, default_run_only
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def reference_module(name: str):
     # transformers ships cohere_compass before 5.21, but its image processor differs there
     # (measured with 5.17: LA/RGBA/palette/colour-key/1-channel images give other pixels, and
     # call-time min/max_pixels apply only as a pair); such a one is skipped like a missing one
-    # (tests/lib/reference_probe.py looks for the behaviour).
+    # (tests/support/reference_probe.py looks for the behaviour).
     problem = reference_problem()
     if problem is not None:
         pytest.skip(f"{REFERENCE_REASON}: {problem}")

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from compass_data import shapes, toy
-from scripts._lib import contract, mlx_vlm_run
-from scripts._lib.conversations import (
+from tests.support import contract, mlx_vlm_run
+from tests.support.conversations import (
     CONVERSATIONS,
     Turn,
     check_turn,
@@ -37,7 +37,7 @@ from scripts._lib.conversations import (
     prompt_cache_state_class,
     run_turn,
 )
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -159,7 +159,7 @@ def test_automatic_prefix_cache_gives_the_uncached_answers(loaded, pictures, nam
 
 # ------------------------------------------------- the model's side, against the recorded reference
 # How each pin hands the model the part of a prompt after a restored prefix, driven by hand on
-# the tiny checkpoint and compared with transformers' recorded logits (scripts/_lib/contract.py).
+# the tiny checkpoint and compared with transformers' recorded logits (tests/support/contract.py).
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +348,7 @@ def test_server_with_the_automatic_prefix_cache_answers_as_without(tmp_path, pic
 
     if importlib.util.find_spec("mlx_vlm.apc") is None:
         pytest.skip("this mlx-vlm has no automatic prefix cache (mlx_vlm.apc)")
-    from scripts._lib.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text, serving
+    from tests.support.server import REQUEST_TIMEOUT, ROUTE, Server, data_uri, reply_text, serving
 
     if not ROUTE.endswith("/chat/completions"):
         pytest.skip(f"this mlx-vlm's server serves {ROUTE}; the conversations use chat completions")

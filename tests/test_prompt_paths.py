@@ -37,7 +37,8 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from tests.lib.vendored import vendored
+from tests.support.recorded import VIDEO_PROCESSOR_INDEX, video_processor_case
+from tests.support.vendored import vendored
 
 vendored()  # our processor on every pin (0.7.10: its default run)
 
@@ -188,10 +189,7 @@ def test_processor_call_tokenizes_the_reference_rendering(loaded, reference, ima
 
 def video_fixture(name: str) -> dict:
     """A recorded case of tests/fixtures/video (transformers' processor on the same tiny checkpoint)."""
-    folder = Path(__file__).resolve().parent / "fixtures" / "video"
-    case = json.loads((folder / "index.json").read_text(encoding="utf-8"))["cases"][name]
-    with np.load(folder / case["file"], allow_pickle=False) as arrays:
-        return {**case, "input_ids": arrays["input_ids"]}
+    return {**VIDEO_PROCESSOR_INDEX["cases"][name], "input_ids": video_processor_case(name)["input_ids"]}
 
 
 def test_processor_takes_video_on_every_way_in(loaded, reference, image):
@@ -344,7 +342,7 @@ def pin_family() -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_original, tmp_path_factory):
-    from scripts._lib import server as ts
+    from tests.support import server as ts
 
     pytest.importorskip("uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi")
     spy = tmp_path_factory.mktemp("spy")
@@ -360,7 +358,7 @@ def server(tiny_ckpt_original, tmp_path_factory):
 
 def post(server, messages, max_tokens: int = 2):
     """(status, body text, what reached the template) of one request with these messages."""
-    from scripts._lib import server as ts
+    from tests.support import server as ts
 
     if ts.ROUTE.endswith("/responses"):
 
@@ -389,7 +387,7 @@ def post(server, messages, max_tokens: int = 2):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "video_part"])
 def test_server_prompt_is_the_reference(server, reference, image, case):
-    from scripts._lib import server as ts
+    from tests.support import server as ts
 
     messages = with_image(CASES[case], ts.data_uri(image.read_bytes()))
     if case == "unknown_role":  # OpenAI tool messages carry the call they answer
@@ -440,7 +438,7 @@ def test_server_video_part_is_never_rendered_silently(server, tmp_path, tiny_ckp
     rendered as the template renders it and answered with the CLI's text for the same clip."""
     from compass_compat import cli
     from compass_compat._patch import implementation_info
-    from scripts._lib import server as ts
+    from tests.support import server as ts
 
     video = write_video(tmp_path / "clip.mp4")
     messages = [

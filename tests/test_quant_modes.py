@@ -30,9 +30,9 @@ import pytest
 
 from compass_compat import probes
 from compass_compat.checkpoint_checks import CheckpointError, validate_checkpoint
-from scripts._lib.mlx_vlm_run import answer_ids, chat_prompt, load
-from scripts._lib.quantize import quantize_folder
-from tests.lib.vendored import vendored
+from tests.support.mlx_vlm_run import answer_ids, chat_prompt, load
+from tests.support.quantize import quantize_folder
+from tests.support.vendored import vendored
 
 vendored()
 

@@ -22,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.parity import prefill
-from scripts._lib.recipes import dequantized_checkpoint, read_weights
-from tests.lib.vendored import vendored
+from tests.support.parity import prefill
+from tests.support.recipes import dequantized_checkpoint, read_weights
+from tests.support.vendored import vendored
 
 vendored()
 

@@ -15,8 +15,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from compass_data import tiny
-from scripts._lib import model_outputs as recorder
-from tests.lib.reference_probe import reference_problem
+from tests.support import model_outputs as recorder
+from tests.support.pixels import unpack_pixel_values
+from tests.support.reference_probe import reference_problem
 
 LIVE_CASES = ["text_short", "img_448"]
 # transformers recomputed on another CPU than the recording one differs from the fixtures by up
@@ -35,7 +36,7 @@ def _why_no_reference():
         return f"needs torch and transformers >= 5.21 (the mlxvlm-0.7.10 env): {e}"
     if not hasattr(transformers, "CohereCompassForConditionalGeneration"):
         return f"transformers {transformers.__version__} has no CohereCompassForConditionalGeneration"
-    return reference_problem()  # tests/lib/reference_probe.py
+    return reference_problem()  # tests/support/reference_probe.py
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -254,7 +255,7 @@ def test_recorded_fixtures_are_current(reference, case):
     if "pixel_values_codes" in live:
         # The recorder checks that its packing is lossless; this checks the fixture reader's unpacking.
         codes, levels = live.pop("pixel_values_codes"), live.pop("pixel_values_levels")
-        live["pixel_values"] = recorder.unpack_pixel_values(codes, levels)
+        live["pixel_values"] = unpack_pixel_values(codes, levels)
     assert live.keys() == recorded.keys() - {"meta"}
     assert index["checkpoint"] == reference.index["checkpoint"]
     assert index["cases"][case] == recorded["meta"]

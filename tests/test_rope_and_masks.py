@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from compass_data import tiny
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 cfg = vendored("config")
 lang = vendored("language")

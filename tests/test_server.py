@@ -26,8 +26,8 @@ pytest.importorskip(
 )
 
 import compass_compat
-from scripts._lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
-from tests.lib.cli_run import greedy_cli_output  # noqa: E402
+from tests.support.cli_run import greedy_cli_output  # noqa: E402
+from tests.support.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
 
 # What each pin's own server answers for an image it cannot load.
 MALFORMED_STATUS = {"0.4.4": 500, "0.6.12": 500, "0.7.10": 500}

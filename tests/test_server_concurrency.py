@@ -26,9 +26,9 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
-from scripts._lib.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
-from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.vendored import vendored
+from tests.support.cli_run import greedy_cli_output  # noqa: E402
+from tests.support.server import MAX_TOKENS, VERSION, Server, data_uri, reply_text
+from tests.support.vendored import vendored
 
 vendored()  # upstream 0.7.10's own cohere_compass fails these (measured); the checklist reports upstream
 

@@ -23,7 +23,8 @@ pytest.importorskip(
     "uvicorn", reason="mlx-vlm's server needs uvicorn and fastapi (installed with mlx-vlm on every pin)"
 )
 
-from scripts._lib.server import (  # noqa: E402
+from tests.support.cli_run import greedy_cli_output  # noqa: E402
+from tests.support.server import (  # noqa: E402
     MAX_TOKENS,
     ROUTE_PATHS,
     Server,
@@ -34,7 +35,6 @@ from scripts._lib.server import (  # noqa: E402
     send,
     serving,
 )
-from tests.lib.cli_run import greedy_cli_output  # noqa: E402
 
 TEXT_PROMPT = "Hello there"
 IMAGE_PROMPT = "Describe the image."

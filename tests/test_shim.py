@@ -30,7 +30,7 @@ from transformers import AutoProcessor
 
 import compass_compat
 from compass_compat import CompassCompatError, apply_patch, checkpoint_checks, implementation_info, remove_patch
-from tests.lib.vendored import default_run_only, expected_live, switch_from_env, upstream_ships
+from tests.support.vendored import default_run_only, expected_live, switch_from_env, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "mlx_vlm.models.cohere_compass"

@@ -27,7 +27,7 @@ import mlx.core as mx
 import pytest
 
 import compass_compat
-from scripts._lib.speculative import (
+from tests.support.speculative import (
     STEPS,
     draft_kinds,
     drafter_for,
@@ -142,7 +142,7 @@ def test_the_server_with_a_drafter_answers_with_the_refusal(ours, tiny, tmp_path
     pytest.importorskip("uvicorn")
     from mlx_vlm.speculative.drafters import load_drafter
 
-    from scripts._lib.server import Server
+    from tests.support.server import Server
 
     model, _ = ours
     folder = save_drafter(drafter_for(model), tmp_path / "drafter")

@@ -1,7 +1,7 @@
 """Structured output: ``logits_processors`` through mlx-vlm's ``generate`` / ``stream_generate``, and
 the server's ``response_format`` (a JSON schema), on ours.
 
-The processors are our own (scripts/_lib/json_mask.py): one that changes nothing, one that allows only
+The processors are our own (tests/support/json_mask.py): one that changes nothing, one that allows only
 the ids of a fixed JSON document in order, and a mask that keeps the answer a prefix of one of a
 schema's listed documents. Expected values: transformers' recorded greedy answers (a processor that
 changes nothing must give them) and prefill logits (the best allowed digit), the tokenizer's ids of
@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from compass_data import toy
-from scripts._lib import mlx_vlm_run
-from scripts._lib.json_mask import (
+from tests.support import mlx_vlm_run
+from tests.support.json_mask import (
     DIGIT_SCHEMA,
     FIXED,
     SCHEMA,
@@ -88,7 +88,7 @@ class Ours:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt_original) -> Ours:
-    from tests.lib.vendored import vendored
+    from tests.support.vendored import vendored
 
     vendored()
     return Ours(tiny_ckpt_original)
@@ -212,7 +212,7 @@ def test_pin_mask_needs_metal_ours(tiny):
 
 @pytest.fixture
 def cpu_mask(monkeypatch):
-    """The pin's Metal mask replaced by a CPU one (scripts/_lib/json_mask.py ``cpu_bitmask``), so the
+    """The pin's Metal mask replaced by a CPU one (tests/support/json_mask.py ``cpu_bitmask``), so the
     rest of its structured path runs here."""
     for module, name in mask_kernel_site():
         monkeypatch.setattr(module, name, cpu_bitmask)
@@ -251,7 +251,7 @@ def _server(tmp_path, *paths: str, structured: bool = True):
     """The default checkpoint served by ``python -m compass_compat server``, this tree (and
     ``paths``) first on its PYTHONPATH; skipped unless the pin's server has response_format
     (``structured``) or has none (``structured=False``)."""
-    from scripts._lib.server import Server
+    from tests.support.server import Server
 
     if structured and not _server_has_response_format():
         pytest.skip("this mlx-vlm's server has no response_format (mlx_vlm.structured came in 0.6)")
@@ -299,7 +299,7 @@ def test_server_response_format_with_a_cpu_mask(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "from scripts._lib.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
+        "from tests.support.json_mask import install_cpu_mask\n\ninstall_cpu_mask()\n", encoding="utf-8"
     )
     prompt = TOY_REFERENCE["demo"]["describe"]["prompt"]
     with _server(tmp_path, str(site)) as server:

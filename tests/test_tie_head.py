@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.lib.reference_head import REFERENCE_HEAD
-from tests.lib.vendored import vendored
+from tests.support.reference_head import REFERENCE_HEAD
+from tests.support.vendored import vendored
 
 vendored()
 

@@ -24,10 +24,10 @@ import pytest
 from PIL import Image
 
 from compass_data import boxes, shapes, shapes_pil, toy
-from scripts._lib import mlx_vlm_run
-from scripts._lib.mlx_vlm_run import load
-from scripts._lib.quantize import quantize_folder
-from tests.lib.vendored import vendored
+from tests.support import mlx_vlm_run
+from tests.support.mlx_vlm_run import load
+from tests.support.quantize import quantize_folder
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -239,8 +239,8 @@ def test_plain_generate_gives_the_same_answers(toy_folders, pictures):
 
 
 def test_server_gives_the_cli_answer(toy_folders, pictures, tmp_path):
-    from scripts._lib.server import Server, data_uri, reply_text
-    from tests.lib.cli_run import greedy_cli_output
+    from tests.support.cli_run import greedy_cli_output
+    from tests.support.server import Server, data_uri, reply_text
 
     entry = REFERENCE["pictures"][0]
     _, image = pictures[key_of(entry)]
@@ -268,7 +268,7 @@ def test_reference_file_is_what_transformers_answers_now(toy_folders, pictures):
         pytest.skip(f"transformers {transformers.__version__} has no cohere_compass")
     import torch
 
-    from scripts._lib import toy_reference
+    from tests.support import toy_reference
 
     folder = toy_folders["float"]
     model = transformers.CohereCompassForConditionalGeneration.from_pretrained(

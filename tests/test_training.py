@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from compass_data.toy import build_toy_checkpoint
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 FIXTURE_DIR = pathlib.Path(__file__).resolve().parent / "fixtures" / "training"
 INDEX = json.loads((FIXTURE_DIR / "index.json").read_text(encoding="utf-8"))

@@ -29,7 +29,7 @@ import pytest
 from packaging.version import Version
 
 from scripts.train import probe_modes
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 REFUSAL = "cohere_compass cannot run under mx.compile"
 # What the CLI's --help shows when it has the mode (probe_modes.MODES says which it runs).

@@ -21,14 +21,13 @@ import pytest
 from compass_compat import cli
 from compass_compat.video_files import VideoDecoderMissingError, VideoFileError, probe, read_video
 from compass_data.clips import make_clip
-from tests.lib.vendored import vendored
+from tests.support.recorded import VIDEO_INDEX, video_case
+from tests.support.vendored import vendored
 
 vendored()  # the toy's video answers are measured on our package; upstream 0.7.10 takes no video
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "fixtures" / "video_model"
-INDEX = json.loads((FIXTURES / "index.json").read_text(encoding="utf-8"))
-FILE_CASES = {name: meta for name, meta in INDEX["checkpoints"]["toy"].items() if name.startswith("file_")}
+FILE_CASES = {name: meta for name, meta in VIDEO_INDEX["checkpoints"]["toy"].items() if name.startswith("file_")}
 
 
 def write_clip(path: pathlib.Path, frames: np.ndarray, fps: float) -> pathlib.Path:
@@ -60,7 +59,7 @@ def clip_files(tmp_path_factory):
         if video["clip"] in out:
             continue
         if "file" in video:  # a committed clip (the README's example), read as the recorder read it
-            from scripts._lib.video_fixtures import read_all_frames
+            from tests.support.pixels import read_all_frames
 
             path = REPO / video["file"]
             out[video["clip"]] = (path, read_all_frames(path))
@@ -72,7 +71,7 @@ def clip_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def video_processor(toy_ckpt):
-    from scripts._lib.mlx_vlm_run import load
+    from tests.support.mlx_vlm_run import load
 
     return load(str(toy_ckpt))[1].video_processor
 
@@ -153,8 +152,8 @@ def test_mlx_vlm_generate_with_video_reaches_the_native_path(toy_ckpt, clip_file
     processor natively (no frames fallback), the reference's prompt ids and greedy ids."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    from scripts._lib.cases import stream_ids
-    from scripts._lib.mlx_vlm_run import load
+    from tests.support.cases import stream_ids
+    from tests.support.mlx_vlm_run import load
 
     meta = FILE_CASES[name]
     path = str(clip_files[meta["videos"][0]["clip"]][0])
@@ -178,10 +177,7 @@ def test_mlx_vlm_generate_with_video_reaches_the_native_path(toy_ckpt, clip_file
 
 
 def _reference_ids(name: str):
-    from scripts._lib.cases import read_video_case
-
-    meta = FILE_CASES[name]
-    return read_video_case(FIXTURES / "toy" / meta["file"])["input_ids"].reshape(-1).tolist()
+    return video_case("toy", name)["input_ids"].reshape(-1).tolist()
 
 
 # --------------------------------------------------------------------------- bad files

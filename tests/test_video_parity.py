@@ -8,23 +8,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts._lib.cases import case_inputs
-from scripts._lib.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
-from scripts._lib.recorded import VIDEO_INDEX, video_case
-from tests.lib.vendored import vendored
+from tests.support.cases import case_inputs
+from tests.support.parity import assert_decode_steps_match, assert_prefill_matches, chunked_prefill, greedy, prefill
+from tests.support.recorded import VIDEO_INDEX, video_case
+from tests.support.vendored import vendored
 
 positions = vendored("positions")
 
 TINY_CASES = list(VIDEO_INDEX["checkpoints"]["tiny"])
 TOY_CASES = list(VIDEO_INDEX["checkpoints"]["toy"])
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt_original):
-    from mlx_vlm.utils import load_model
-
-    return load_model(tiny_ckpt_original)
 
 
 @pytest.fixture(scope="module")

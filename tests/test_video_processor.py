@@ -32,14 +32,14 @@ from PIL import Image
 
 from compass_data.clips import make_clip
 from compass_data.tiny import build_tiny_checkpoint
-from scripts._lib import video_processor as recorder  # inputs of the cases, never expected values
-from tests.lib.vendored import by_path
+from tests.support import video_processor as recorder  # inputs of the cases, never expected values
+from tests.support.recorded import VIDEO_PROCESSOR_INDEX, video_processor_case
+from tests.support.vendored import by_path
 
 pc = by_path("processing_cohere_compass", "compass_video_under_test")
 vpc = by_path("video_processing_cohere_compass", "compass_video_under_test")
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "video"
-INDEX = json.loads((FIXTURES / "index.json").read_text(encoding="utf-8"))
+INDEX = VIDEO_PROCESSOR_INDEX
 CASES = [name for name, case in INDEX["cases"].items() if case["kind"] == "processor"]
 ONE_LEVEL = 2 / 255  # one uint8 level after (x/255 - 0.5) / 0.5
 WARNING_NAMES = {
@@ -50,19 +50,7 @@ WARNING_NAMES = {
 VIDEO_PART = "<|VISION_START|><|VIDEO_PAD|><|VISION_END|>"
 
 
-@functools.lru_cache(maxsize=None)
-def expected(name: str) -> dict:
-    """The recorded arrays of a case, pixel values unpacked."""
-    from scripts._lib.video_fixtures import unpack_levels  # the recorder's packing, reversed
-
-    with np.load(FIXTURES / INDEX["cases"][name]["file"], allow_pickle=False) as archive:
-        arrays = dict(archive)
-    arrays["pixel_values_videos"] = unpack_levels(arrays.pop("pixel_codes"), arrays.pop("pixel_levels"))
-    if "image_codes" in arrays:
-        arrays["pixel_values"] = unpack_levels(arrays.pop("image_codes"), arrays.pop("image_levels"))
-    for value in arrays.values():
-        value.flags.writeable = False
-    return arrays
+expected = video_processor_case  # the recorded arrays of a case
 
 
 @pytest.fixture(scope="module")

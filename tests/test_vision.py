@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from compass_data import tiny
-from tests.lib.vendored import by_path
+from tests.support.vendored import by_path
 
 pytestmark = pytest.mark.reference
 torch = pytest.importorskip("torch", reason="needs the torch reference (0.7.10 env)")

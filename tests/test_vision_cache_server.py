@@ -28,10 +28,10 @@ import pytest
 from PIL import Image
 
 from compass_data import toy
-from scripts._lib.server import MAX_TOKENS, Server, reply_text
-from scripts._lib.server import VERSION as PIN
-from tests.lib.cli_run import greedy_cli_output
-from tests.lib.vendored import vendored
+from tests.support.cli_run import greedy_cli_output
+from tests.support.server import MAX_TOKENS, Server, reply_text
+from tests.support.server import VERSION as PIN
+from tests.support.vendored import vendored
 
 vendored()  # the server runs the live package: only ours is measured here
 

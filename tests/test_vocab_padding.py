@@ -26,8 +26,8 @@ from packaging.version import Version
 from safetensors.numpy import load_file
 
 from compass_data.tiny import build_tiny_checkpoint, save_safetensors, tokenizer_vocab_size
-from tests.lib.cli_run import greedy_cli_output  # noqa: E402
-from tests.lib.vendored import vendored
+from tests.support.cli_run import greedy_cli_output  # noqa: E402
+from tests.support.vendored import vendored
 
 vendored()  # the guard is our processor's: skip (saying why) where upstream's package is live
 
@@ -162,7 +162,7 @@ def test_cli_generate_gives_the_same_text(padded_ckpt, streamed, reference_token
     "serve /responses; 0.4's chat completions fail on mlx-lm 0.32, see test_server.py)",
 )
 def test_server_streaming_skips_padding_ids(padded_ckpt, streamed, reference_tokenizer, tmp_path):
-    from scripts._lib import server as ts
+    from tests.support import server as ts
 
     with ts.Server(padded_ckpt, tmp_path / "server.log") as server:
         body = {

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from compass_data import tiny
-from tests.lib.vendored import vendored
+from tests.support.vendored import vendored
 
 vendored()
 
@@ -84,7 +84,7 @@ def test_wrong_shape_is_named(tiny_ckpt_original, tmp_path):
 
 
 def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, reference):
-    from scripts._lib.parity import prefill
+    from tests.support.parity import prefill
 
     head = (
         np.random.default_rng(0).standard_normal((tiny.PADDED_VOCAB_SIZE, tiny.TEXT["hidden_size"])).astype(np.float32)
@@ -107,7 +107,7 @@ def test_untied_checkpoint_needs_and_uses_lm_head(tiny_ckpt_original, tmp_path, 
 
 def test_bfloat16_checkpoint_generates_without_nan(tmp_path, reference):
     from compass_data.tiny import build_tiny_checkpoint
-    from scripts._lib.parity import greedy, prefill
+    from tests.support.parity import greedy, prefill
 
     model = _load(build_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16"))
     for name in ("text_medium", "img_448"):

@@ -22,7 +22,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.lib.vendored import default_run_only, expected_live, upstream_ships
+from tests.support.vendored import default_run_only, expected_live, upstream_ships
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE_ENV = "COMPASS_COMPAT_FORCE_VENDORED"

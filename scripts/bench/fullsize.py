@@ -20,7 +20,7 @@ weights + KV read per token / read bandwidth measured in the same run); vision-t
 two image sizes; time to first token for an image prompt, uncached and with the features
 replayed (ours: ``encode_image`` -> ``cached_image_features``; upstream: its own
 ``cached_image_features``, which drops deepstack; torch: ``mm_encoder_outputs``); host
-synchronisations inside one decode step (scripts/_lib/host_sync.py's guard, counting);
+synchronisations inside one decode step (tests/support/host_sync.py's guard, counting);
 peak resident memory and MLX peak memory of each worker.
 
 Writes benchmarks/results/<stamp>.json and .md and prints the markdown table.
@@ -149,7 +149,7 @@ class MLXRunner:
         decode_s = time.perf_counter() - tic
         cpu = time.process_time() - cpu
         # One more step, built under the guard in counting mode (not timed).
-        from scripts._lib.host_sync import HostSyncGuard
+        from tests.support.host_sync import HostSyncGuard
 
         with HostSyncGuard("count") as guard:
             logits = lm(y[:, None], cache=cache).logits

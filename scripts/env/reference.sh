@@ -8,7 +8,7 @@
 # Usage: scripts/env/reference.sh [--refresh]   -> .venvs/reference-video
 # Exact versions are kept in scripts/env/constraints/reference-video.txt as scripts/env/build.sh does.
 # compass-compat is installed editable (--no-deps) so the recorders import compass_data and
-# scripts._lib plainly.
+# tests.support plainly.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 env="$root/.venvs/reference-video"

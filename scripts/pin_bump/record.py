@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from packaging.version import Version
 
 from compass_compat import verdicts
-from scripts._lib.checklist import item_names
+from tests.support.checklist import item_names
 
 
 def record(

@@ -4,7 +4,7 @@
     python -m scripts.pin_bump.reduce --absent upstream    (a release that ships no cohere_compass)
 
 JUNIT_XML is ``pytest -m checklist --checklist-measure --junitxml=...`` run with IMPLEMENTATION
-(upstream or vendored) live; every item PASSes where all its tests passed (scripts/_lib/checklist.py).
+(upstream or vendored) live; every item PASSes where all its tests passed (tests/support/checklist.py).
 Prints the report pin_bump.sh's helpers and record.py read: verdicts, each item's evidence, and
 exit_code 0 (every item passes), 1 (some fail) or 2 (no verdict: the run left no marked test).
 Where the release ships no cohere_compass of its own (before 0.6.13) there is nothing to run with
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from scripts._lib import checklist
+from tests.support import checklist
 
 
 def report(junit: Path, implementation: str, seconds: Optional[int] = None) -> Dict[str, Any]:

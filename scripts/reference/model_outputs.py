@@ -25,8 +25,8 @@ and, for each case, records into tests/fixtures/reference/<case>.safetensors:
 
 ``pixel_values`` [N, 3*2*16*16] would dominate the fixtures' size, so they are stored losslessly
 packed (``pack_pixel_values``): the first of the two identical temporal slots only, as uint8 codes
-into a per-channel table of the float32 values. scripts/_lib/cases.py unpacks them.
-The cases, the images and the recording are in scripts/_lib/model_outputs.py (the tests re-record
+into a per-channel table of the float32 values. tests/support/cases.py unpacks them.
+The cases, the images and the recording are in tests/support/model_outputs.py (the tests re-record
 with it); this script writes what it records.
 
 tests/fixtures/reference/index.json holds the metadata: versions, the weights' sha256, the cases
@@ -42,7 +42,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from scripts._lib.model_outputs import REFERENCE_DIR, record
+from tests.support.model_outputs import REFERENCE_DIR, record
 
 
 def save(results: Dict[str, Dict[str, np.ndarray]], index: dict, out_dir: pathlib.Path = REFERENCE_DIR) -> None:

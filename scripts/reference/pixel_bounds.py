@@ -19,7 +19,7 @@ and per image the image token count, the grid and a summary of ``pixel_values``.
     .venvs/mlxvlm-0.7.10/bin/python scripts/reference/pixel_bounds.py [--check]
 
 Writes tests/fixtures/pixel_bounds.json (``--check``: compare instead, exit 1 on a
-difference). The case table is scripts/_lib/pixel_bounds.py; tests/test_pixel_bounds.py compares the
+difference). The case table is tests/support/pixel_bounds.py; tests/test_pixel_bounds.py compares the
 vendored processor with the fixture on every pin and with the live reference where it is
 installed.
 """
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import warnings
 
-from scripts._lib.pixel_bounds import (
+from tests.support.pixel_bounds import (
     CASES,
     FIXTURE,
     IMAGES,

@@ -35,7 +35,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from compass_data import tiny, toy
-from scripts._lib.model_outputs import IMAGES_DIR, Reference, require_reference
+from tests.support.model_outputs import IMAGES_DIR, Reference, require_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "tests" / "fixtures" / "training"

@@ -10,7 +10,7 @@ default toy checkpoint, the reference's own processor (``AutoProcessor``, frames
 ``do_sample_frames=False`` and explicit metadata, so the frame rules are the processor fixtures'
 business, not these) turns the messages and clips into inputs, and
 ``CohereCompassForConditionalGeneration`` (float32, eager, CPU) gives: ``input_ids``,
-``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, ``scripts._lib.video_fixtures``),
+``mm_token_type_ids``, ``pixel_values_videos`` (packed losslessly, ``tests.support.pixels``),
 ``video_grid_thw``, the image inputs where the case has an image, ``position_ids`` and
 ``rope_deltas`` from ``get_rope_index``, ``video_features`` and ``video_deepstack_features``,
 ``prefill_logits`` [L, V], and 32 greedy ids with their logits (no cache, checked against the
@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from compass_data import clips, tiny, toy
-from scripts._lib import reference as _reference
-from scripts._lib.video_fixtures import pack_levels, read_all_frames
+from tests.support import reference as _reference
+from tests.support.pixels import pack_levels, read_all_frames
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "video_model"
@@ -225,21 +225,13 @@ class Reference:
                 video_deepstack_features=torch.stack([torch.cat(f) for f in feats.deepstack_features]).numpy(),
             )
             arrays["prefill_logits"] = self.forward(ids, inputs, use_cache=False).logits[0].numpy()
-            seq, greedy, steps = ids, [], []
-            for _ in range(N_GREEDY):
-                logits = self.forward(seq, inputs, use_cache=False).logits[0, -1]
-                greedy.append(int(logits.argmax()))
-                steps.append(logits.numpy())
-                seq = torch.cat([seq, torch.tensor([[greedy[-1]]])], dim=1)
+
+            def forward(seq, **kw):
+                return self.forward(seq, inputs, **kw)
+
+            greedy, arrays["greedy_logits"] = _reference.greedy_steps(forward, ids, N_GREEDY)
             arrays["greedy_ids"] = np.asarray(greedy, dtype=np.int64)
-            arrays["greedy_logits"] = np.stack(steps)
-            out = self.forward(ids, inputs, use_cache=True)
-            cache, logits, cached = out.cache, out.logits[0, -1], []
-            for _ in range(N_GREEDY):
-                cached.append(int(logits.argmax()))
-                out = self.model(input_ids=torch.tensor([[cached[-1]]]), cache=cache, use_cache=True)
-                cache, logits = out.cache, out.logits[0, -1]
-            if cached != greedy:
+            if _reference.cached_greedy(self.model, forward, ids, N_GREEDY) != greedy:
                 raise SystemExit(f"{case}: cached and uncached greedy decoding of the reference disagree")
         top2 = np.sort(arrays["greedy_logits"], axis=-1)[:, -2:]
         if case in FILE_CASES:

@@ -47,9 +47,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from compass_data import clips, tiny
-from scripts._lib import reference as _reference
-from scripts._lib.video_fixtures import pack_levels
-from scripts._lib.video_processor import VARIANTS, write_variant
+from tests.support import reference as _reference
+from tests.support.pixels import pack_levels
+from tests.support.video_processor import VARIANTS, write_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "tests" / "fixtures" / "video"

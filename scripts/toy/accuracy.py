@@ -31,8 +31,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from PIL import Image
 
     from compass_data import boxes, shapes, toy
-    from scripts._lib import mlx_vlm_run
-    from scripts._lib.quantize import quantize_folder
+    from tests.support import mlx_vlm_run
+    from tests.support.quantize import quantize_folder
 
     reference = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
     count = reference["test_pictures_per_bucket_and_renderer"]

@@ -15,8 +15,8 @@ import pathlib
 import time
 from typing import Optional, Sequence
 
-from scripts._lib import reference as _reference
 from scripts.toy import train as tt
+from tests.support import reference as _reference
 
 SEEDS = (2, 5)
 PER_SEED = 40

@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from compass_data import boxes, shapes, toy
-from scripts._lib import reference as _reference
-from scripts._lib.toy_reference import MAX_NEW_TOKENS, Reference, decode, greedy
+from tests.support import reference as _reference
+from tests.support.toy_reference import MAX_NEW_TOKENS, Reference, decode, greedy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REFERENCE_FILE = ROOT / "tests" / "fixtures" / "toy_reference.json"

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # run as a file: the host scripts import scripts.hosts.common.e2e
     sys.path.insert(0, str(ROOT))
 
-from scripts._lib.server import Process, free_port  # noqa: E402
+from tests.support.server import Process, free_port  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
 PROBE_DIR = Path(__file__).resolve().parent / "probe"
@@ -535,6 +535,15 @@ def print_table(rows: List[Tuple[str, ...]]) -> None:
             print("-+-".join("-" * w for w in widths) + "-+-" + "-" * 5)
 
 
+def write_report(out: Path, record: Dict[str, Any], phase_lines: List[str], rows: List[tuple]) -> None:
+    """``out``/results.json (``record``) and ``out``/table.md: the record's summary line, versions,
+    ``phase_lines``, then the table ``rows``."""
+    (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = [f"{record['host']}: {record['summary']} ({record['seconds']} s); compass-compat {record['revision']}", ""]
+    md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())]
+    (out / "table.md").write_text("\n".join(md + phase_lines) + "\n\n" + markdown_table(rows), encoding="utf-8")
+
+
 def markdown_table(rows: List[Tuple[str, ...]]) -> str:
     def cell(s: str) -> str:
         return s.replace("|", "\\|")
@@ -784,14 +793,12 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         "failed": bad,
         "summary": summary,
     }
-    (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = [f"{host.label}: {summary} ({seconds} s); compass-compat {revision}", ""]
-    md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items())]
+    phase_lines = []
     for n, i in phase_info.items():
-        md.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
+        phase_lines.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
         if i.get("vision_cache"):
-            md.append(f"  - vision work: {i['vision_cache']}")
-    (out / "table.md").write_text("\n".join(md) + "\n\n" + markdown_table(rows), encoding="utf-8")
+            phase_lines.append(f"  - vision work: {i['vision_cache']}")
+    write_report(out, record, phase_lines, rows)
     print()
     log(host.name, f"{summary} in {seconds} s; details {out / 'results.json'}")
     return 1 if bad else 0

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from typing import List, Tuple
 
-from scripts._lib.mixed_batches import (
+from tests.support.mixed_batches import (
     BIG,
     CUTS,
     HOLDS,
@@ -41,7 +41,7 @@ from scripts._lib.mixed_batches import (
     say,
     text,
 )
-from scripts._lib.server import VERSION, serving
+from tests.support.server import VERSION, serving
 
 PICTURES = (SMALL, BIG, "synth_448x448_b.png", "synth_501x379.png")
 # The cached first turn's picture, never in a later turn: a conversation showing one file in two
@@ -107,7 +107,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(f"build/hosts/mixed_soak-{VERSION}.md"))
     args = parser.parse_args(argv)
     from compass_data.tiny import build_tiny_checkpoint
-    from scripts._lib.mixed_batches import start
+    from tests.support.mixed_batches import start
 
     rng = random.Random(args.seed)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="mixed_soak-"))
@@ -123,7 +123,7 @@ def main(argv: List[str]) -> int:
     seen: Counter = Counter()
     wrong: List[str] = []
     pins: List[str] = []  # answered otherwise where the pin is known wrong (below), not the model
-    from scripts._lib.batch_server import pin_samples_a_padding_column
+    from tests.support.batch_server import pin_samples_a_padding_column
 
     samples_padding = pin_samples_a_padding_column()
     sent = batches = 0

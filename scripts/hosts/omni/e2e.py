@@ -53,7 +53,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from scripts._lib.server import Process, free_port  # noqa: E402
 from scripts.hosts.common.e2e import (  # noqa: E402
     AUTOPATCH,
     FIXTURES,
@@ -66,7 +65,6 @@ from scripts.hosts.common.e2e import (  # noqa: E402
     export_rev,
     git_revision,
     log,
-    markdown_table,
     post_chat,
     prepare_model_dir,
     print_table,
@@ -75,7 +73,9 @@ from scripts.hosts.common.e2e import (  # noqa: E402
     source_env,
     versions,
     wait_ready,
+    write_report,
 )
+from tests.support.server import Process, free_port  # noqa: E402
 
 NAME = "omni"
 LAUNCH = Path(__file__).resolve().parent / "launch.py"
@@ -331,6 +331,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     def reply_text(r: Dict[str, Any]) -> str:
         return f"HTTP error: {r['error'][:120]}" if r.get("error") else show(r.get("text"), args.width)
 
+    def refuses_image_url(send: Callable, name: str, phase: str, check_name: str) -> None:
+        r = send(body(name, picture_parts(SHAPE, as_string=False), args.max_tokens))
+        check(
+            phase, check_name, "image_url {url} + text", "HTTP 422 (request schema)",
+            (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
+        )  # fmt: skip
+
     def autopatch(send: Callable, server: Process) -> None:
         r = send(body(model, "Say hello.", args.max_tokens))
         said = "Model type cohere_compass not supported" in r["log"]
@@ -339,11 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             (r.get("error") or "").startswith("HTTP 500") and said, reply_text(r),
             "log names mlx-lm's refusal" if said else "log does not name the refusal",
         )  # fmt: skip
-        r = send(body(model, picture_parts(SHAPE, as_string=False), args.max_tokens))
-        check(
-            "autopatch", "p1", "image_url {url} + text", "HTTP 422 (request schema)",
-            (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
-        )  # fmt: skip
+        refuses_image_url(send, model, "autopatch", "p1")
 
     def mlx_lm(send: Callable, server: Process) -> None:
         r1 = send(body(model, SEA, args.max_tokens))
@@ -365,11 +368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             replayed != reference[SEA] and texts == [replayed, replayed], " / ".join(reply_text(a) for a in answers),
             f"prompt tokens cached: {[(a.get('cached_tokens'), a.get('prompt_tokens')) for a in answers]}",
         )  # fmt: skip
-        r = send(body(model, picture_parts(SHAPE, as_string=False), args.max_tokens))
-        check(
-            "mlx_lm", "p1", "image_url {url} + text", "HTTP 422 (request schema)",
-            (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
-        )  # fmt: skip
+        refuses_image_url(send, model, "mlx_lm", "p1")
         with_picture = send(body(model, picture_parts(SHAPE, as_string=True), args.max_tokens))
         text_only = send(body(model, [{"type": "text", "text": SHAPE}], args.max_tokens))
         dropped = (
@@ -410,11 +409,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "gemma4_name", "g3", 'image_url "<data URI>" + text', f"= generate with the picture: {show(reference[PICTURE], args.width)}",
             not r.get("error") and r.get("text") == reference[PICTURE], reply_text(r), f"{r.get('prompt_tokens')} prompt tokens",
         )  # fmt: skip
-        r = send(body(named, picture_parts(SHAPE, as_string=False), args.max_tokens))
-        check(
-            "gemma4_name", "g4", "image_url {url} + text", "HTTP 422 (request schema)",
-            (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
-        )  # fmt: skip
+        refuses_image_url(send, named, "gemma4_name", "g4")
         offset = server.log_size()
         r = post_chat(
             f"http://127.0.0.1:{server_port[0]}",
@@ -464,11 +459,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "failed": bad,
         "summary": summary,
     }
-    (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = [f"{HOST.label}: {summary} ({seconds} s); compass-compat {revision}", ""]
-    md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items())]
-    md += [f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}" for n, i in phases.items()]
-    (out / "table.md").write_text("\n".join(md) + "\n\n" + markdown_table(rows), encoding="utf-8")
+    write_report(
+        out, record, [f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}" for n, i in phases.items()], rows
+    )
     print()
     log(NAME, f"{summary} in {seconds} s; details {out / 'results.json'}")
     return 1 if bad else 0

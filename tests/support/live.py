@@ -19,18 +19,18 @@ import numpy as np
 import pytest
 
 from compass_compat.vendor import vendor_root, within
-from scripts._lib.cases import (
+from tests.support.cases import (
     LOGIT_TOL,
     N_GREEDY,
     PIXEL_TOL,
     case_inputs,
     matching_prefix,
     max_abs,
-    read_video_case,
     stream_ids,
     token_list,
 )
-from tests.lib.vendored import PACKAGE, upstream_ships
+from tests.support.recorded import read_video_case
+from tests.support.vendored import PACKAGE, upstream_ships
 
 FIRST_UPSTREAM_RELEASE = "0.6.13"
 QUANT_GROUP, QUANT_BITS = 64, 4
@@ -318,7 +318,6 @@ def stream_processed(model: Any, processor: Any, out: Dict[str, Any], n: int) ->
     """The processor's output through mlx-vlm's ``stream_generate`` (every pin takes input ids and
     the model's inputs as keywords): the streamed greedy ids."""
     import mlx.core as mx
-    from mlx_vlm import stream_generate
 
     kwargs = {
         key: mx.array(np.asarray(out[key]))
@@ -326,40 +325,27 @@ def stream_processed(model: Any, processor: Any, out: Dict[str, Any], n: int) ->
         if out.get(key) is not None
     }
     pixels = out.get("pixel_values")
-    seen: Dict[int, int] = {}
-    for res in stream_generate(
+    mask = out.get("attention_mask")
+    return stream_ids(
         model,
         processor,
         "",
+        max_tokens=n,
         input_ids=mx.array(np.asarray(out["input_ids"])),
         pixel_values=None if pixels is None else mx.array(np.asarray(pixels)),
-        mask=mx.array(np.asarray(out["attention_mask"])) if out.get("attention_mask") is not None else None,
-        max_tokens=n,
-        temperature=0.0,
+        mask=None if mask is None else mx.array(np.asarray(mask)),
         **kwargs,
-    ):
-        seen.setdefault(int(res.generation_tokens), int(res.token))  # 0.3.x repeats the last token
-    return [seen[k] for k in sorted(seen)]
+    )
 
 
 def video_problems(model: Any, processor: Any, path: Path, meta: Dict[str, Any], images_dir: Path) -> List[str]:
     """Item 11 on one recorded video case: the model on the reference's inputs (prefill logits,
     greedy ids, positions), then the processor on the decoded clips (prompt ids with the timestamp
     blocks, pixels, grid) and its output through ``stream_generate``."""
-    import mlx.core as mx
 
     case = read_video_case(path)
     problems: List[str] = []
-    ids = mx.array(case["input_ids"])
-    extra: Dict[str, Any] = {
-        "pixel_values_videos": mx.array(case["pixel_values_videos"]),
-        "video_grid_thw": mx.array(case["video_grid_thw"]),
-        "mm_token_type_ids": mx.array(case["mm_token_type_ids"]),
-    }
-    pixels = None
-    if "pixel_values" in case:
-        pixels = mx.array(case["pixel_values"])
-        extra["image_grid_thw"] = mx.array(case["image_grid_thw"])
+    ids, pixels, extra = case_inputs(case)
     want_greedy = token_list(case["greedy_ids"])
     try:
         logits = prefill_logits(model, ids, pixels, extra)

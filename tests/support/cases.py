@@ -1,13 +1,10 @@
-"""A recorded reference case read back, and driven the way mlx-vlm drives a model.
-
-:func:`read_case_arrays` / :func:`read_video_case` (the one reader of a case file,
-``recorded.py``), :func:`case_inputs` (what ``Model.__call__`` takes), :func:`stream_ids`
-(mlx-vlm's own ``stream_generate``, with a spy on what the processor handed the model).
+"""A recorded reference case (read by ``recorded.py``) driven the way mlx-vlm drives a model:
+:func:`case_inputs` (what ``Model.__call__`` takes), :func:`stream_ids` (mlx-vlm's own
+``stream_generate``, with a spy on what the processor handed the model).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -15,49 +12,6 @@ import numpy as np
 LOGIT_TOL = 1e-4  # prefill logits vs the transformers reference (float32 both sides)
 PIXEL_TOL = 1e-5  # pixel values vs the reference processor
 N_GREEDY = 32
-
-
-def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """[N, 3*2*P*P] float32 pixel values from their stored form (``scripts/reference/model_outputs.py``'s ``pack_pixel_values``).
-
-    Stored: the first temporal frame as per-channel uint8 indices into a table of float32 values;
-    the second frame of a still image is the same.
-    """
-    n = pixel_values_codes.shape[0]
-    codes = pixel_values_codes.reshape(n, 3, 1, -1).astype(np.intp)
-    frame0 = np.take_along_axis(pixel_values_levels[None, :, None, :], codes, axis=-1)
-    return np.repeat(frame0, 2, axis=2).reshape(n, -1)
-
-
-def unpack_levels(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
-    """Pixel values [N, 3*T*P*P] float32 from per-channel codes into a table of values
-    (``scripts/_lib/video_fixtures.py`` ``pack_levels``: every temporal slot stored)."""
-    n = codes.shape[0]
-    values = np.take_along_axis(levels[None], codes.reshape(n, 3, -1).astype(np.intp), axis=-1)
-    return values.reshape(codes.shape)
-
-
-def read_video_case(path: Path) -> Dict[str, np.ndarray]:
-    """The arrays of one video reference case file, pixel values unpacked."""
-    from safetensors.numpy import load_file
-
-    arrays = load_file(str(path))
-    for key in ("pixel_values_videos", "pixel_values"):
-        if f"{key}_codes" in arrays:
-            arrays[key] = unpack_levels(arrays.pop(f"{key}_codes"), arrays.pop(f"{key}_levels"))
-    return arrays
-
-
-def read_case_arrays(path: Path) -> Dict[str, np.ndarray]:
-    """The arrays of one reference case file, pixel values unpacked."""
-    from safetensors.numpy import load_file
-
-    arrays = load_file(str(path))
-    if "pixel_values_codes" in arrays:
-        arrays["pixel_values"] = unpack_pixel_values(
-            arrays.pop("pixel_values_codes"), arrays.pop("pixel_values_levels")
-        )
-    return arrays
 
 
 def max_abs(a: Any, b: Any) -> float:

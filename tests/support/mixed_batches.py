@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from scripts._lib.server import Server, reply_text
+from tests.support.server import Server, reply_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROBE = ROOT / "scripts" / "hosts" / "common" / "probe"
@@ -211,7 +211,7 @@ class Outcome:
     # window (tests/test_batching.py, strict xfail), whatever the model
     one_column_chunk: bool
     # a prefill of several rows, one of them restored from the prefix cache, cut into chunks: where
-    # the pin samples such a row's first token from padding (scripts/_lib/batch_server.py), the pin's
+    # the pin samples such a row's first token from padding (tests/support/batch_server.py), the pin's
     restored_row_cut: bool
     errors: List[str]
 

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from scripts._lib.cases import case_inputs, max_abs
+from tests.support.cases import case_inputs, max_abs
 
 
 def image_kwargs(case: Dict) -> Dict:
@@ -16,11 +16,13 @@ def image_kwargs(case: Dict) -> Dict:
     return {} if pixels is None else {"pixel_values": pixels, **extra}
 
 
-def prefill(model, case: Dict, cache=None) -> mx.array:
-    """Prefill logits [L, V] of a reference case through Model.__call__."""
+def prefill(model, case: Dict, cache=None, **kwargs) -> mx.array:
+    """Prefill logits [L, V] of a reference case through Model.__call__; ``kwargs`` add to or
+    replace the case's inputs (``pixel_values=None, cached_image_features=...``)."""
     cache = cache if cache is not None else model.language_model.make_cache()
     ids, pixels, extra = case_inputs(case)
-    return model(ids, pixels, cache=cache, **extra).logits[0]
+    pixels = kwargs.pop("pixel_values", pixels)
+    return model(ids, pixels, cache=cache, **{**extra, **kwargs}).logits[0]
 
 
 def teacher_forced_decode(model, case: Dict, steps: Optional[int] = None) -> np.ndarray:
@@ -36,9 +38,11 @@ def teacher_forced_decode(model, case: Dict, steps: Optional[int] = None) -> np.
     return np.stack(rows)
 
 
-def greedy(model, case: Dict, steps: int) -> List[int]:
+def greedy(model, case: Dict, steps: int, **kwargs) -> List[int]:
+    """Greedy ids through the model itself (prefill, then one decoder step a token): the route
+    with no mlx-vlm generation code in it. ``kwargs`` as :func:`prefill`'s."""
     cache = model.language_model.make_cache()
-    y = int(mx.argmax(prefill(model, case, cache)[-1]).item())
+    y = int(mx.argmax(prefill(model, case, cache, **kwargs)[-1]).item())
     ids = [y]
     for _ in range(steps - 1):
         out = model.language_model(mx.array([[y]]), cache=cache)

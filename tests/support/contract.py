@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from scripts._lib.cases import case_inputs
+from tests.support.cases import case_inputs
 
 TOL = 1e-4
 STEPS = 10  # decode steps: the tiny model's sliding window (8) wraps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Optional, Sequence
 
-from scripts._lib.cases import stream_ids
+from tests.support.cases import stream_ids
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from compass_compat.checkpoint_checks import CheckpointError
 from compass_data.tiny import PADDED_VOCAB_SIZE
-from tests.lib.checkpoints import copy_checkpoint, edit_json, edit_weights
+from tests.support.checkpoints import copy_checkpoint, edit_json, edit_weights
 
 
 @dataclass(frozen=True)

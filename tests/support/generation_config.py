@@ -63,6 +63,7 @@ def loaded(path: str):
 
 def mlx_vlm_run(path: Path, seed: int = 0, **sampling) -> Run:
     """mlx-vlm's own generate on ``path``: the CLI's prompt, text only, seeded right before generating."""
+    # Not cases.stream_ids: this samples (seeded) and keeps the streamed text too.
     import mlx.core as mx
     from mlx_vlm import stream_generate
     from mlx_vlm.prompt_utils import apply_chat_template

@@ -1,7 +1,7 @@
 """A pytest plugin that plants one deliberate defect in the live vendored package: proof the marked tests bite.
 
     COMPASS_COMPAT_IMPLEMENTATION=vendored COMPASS_COMPAT_TEST_DEFECT=sliding_window_off_by_one \\
-        python -m pytest tests -m checklist -p tests.lib.defects --checklist-measure
+        python -m pytest tests -m checklist -p tests.support.defects --checklist-measure
 
 Each defect, and the items whose tests it breaks (measured with every marked test; CHECKLIST.md,
 "The checks catch real defects"): ``DEFECTS[name] = (plant, items)``. tests/test_checklist_defects.py runs one in CI.

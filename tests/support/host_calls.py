@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from scripts._lib.mlx_vlm_run import greedy_ids
+from tests.support.mlx_vlm_run import greedy_ids
 
 MAX_TOKENS = 16
 

@@ -1,7 +1,7 @@
 """What the video processor's recording and its tests share: the settings variants written into a
 copy of the tiny checkpoint (scripts/reference/video_processor.py records with them;
 tests/test_video_processor.py writes the same variants). The pixel packing is
-scripts/_lib/video_fixtures.py's.
+tests/support/pixels.py's.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from compass_data import tiny
-from scripts._lib import reference as _reference
-from scripts._lib.video_fixtures import pack_levels, unpack_levels
+from tests.support import reference as _reference
+from tests.support.pixels import pack_pixel_values
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -215,15 +215,10 @@ class Reference:
                 )
             arrays["prefill_logits"] = self.forward(ids, inputs, use_cache=False).logits[0].numpy()
 
-            seq, greedy, steps = ids, [], []
-            for _ in range(N_GREEDY):
-                logits = self.forward(seq, inputs, use_cache=False).logits[0, -1]
-                nxt = int(logits.argmax())
-                greedy.append(nxt)
-                steps.append(logits.numpy())
-                seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+            greedy, arrays["greedy_logits"] = _reference.greedy_steps(
+                lambda seq, **kw: self.forward(seq, inputs, **kw), ids, N_GREEDY
+            )
             arrays["greedy_ids"] = np.asarray(greedy, dtype=np.int64)
-            arrays["greedy_logits"] = np.stack(steps)
             self._check_cached_decode(ids, inputs, arrays)
 
         top2 = np.sort(arrays["greedy_logits"], axis=-1)[:, -2:]
@@ -239,42 +234,9 @@ class Reference:
 
     def _check_cached_decode(self, ids, inputs: dict, arrays: dict) -> None:
         """The reference's own cached decode (sliding-window cache) must pick the same tokens."""
-        import torch
-
-        out = self.forward(ids, inputs, use_cache=True)
-        cache, logits, got = out.cache, out.logits[0, -1], []
-        for _ in range(N_GREEDY):
-            got.append(int(logits.argmax()))
-            # rope_deltas from the prefill stay on the model: decode positions are offset + delta.
-            out = self.model(input_ids=torch.tensor([[got[-1]]]), cache=cache, use_cache=True)
-            cache, logits = out.cache, out.logits[0, -1]
+        got = _reference.cached_greedy(self.model, lambda seq, **kw: self.forward(seq, inputs, **kw), ids, N_GREEDY)
         if got != arrays["greedy_ids"].tolist():
             raise SystemExit(f"cached and uncached greedy decoding of the reference disagree: {got}")
-
-
-def pack_pixel_values(pixel_values: np.ndarray) -> Dict[str, np.ndarray]:
-    """Lossless compact form of ``pixel_values`` [N, 3*2*P*P] of still images.
-
-    Keeps the first temporal slot only, and since every value comes from one 8-bit sample of its
-    channel, stores per channel the sorted distinct float32 values (``pixel_values_levels``
-    [3, 256]) and for every entry the index of its value (``pixel_values_codes`` [N, 3*P*P] uint8).
-    ``unpack_pixel_values`` restores the exact array; checked here.
-    """
-    n = pixel_values.shape[0]
-    frames = pixel_values.reshape(n, 3, 2, -1)
-    assert np.array_equal(frames[:, :, 0], frames[:, :, 1]), "still image: both temporal slots equal"
-    codes, levels = pack_levels(frames[:, :, 0].reshape(n, -1))  # the first slot, [N, 3*P*P]
-    packed = {"pixel_values_codes": codes, "pixel_values_levels": levels}
-    assert np.array_equal(unpack_pixel_values(**packed).view(np.uint32), pixel_values.view(np.uint32))
-    return packed
-
-
-def unpack_pixel_values(pixel_values_codes: np.ndarray, pixel_values_levels: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_pixel_values`. ``scripts._lib.cases`` has its own: this
-    script must not import compass_compat (importing it patches mlx-vlm)."""
-    n = pixel_values_codes.shape[0]
-    frame0 = unpack_levels(pixel_values_codes, pixel_values_levels).reshape(n, 3, 1, -1)
-    return np.repeat(frame0, 2, axis=2).reshape(n, -1)
 
 
 def _pad_zeros(mm, pad: int):

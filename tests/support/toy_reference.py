@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from scripts._lib import reference as _reference
+from tests.support import reference as _reference
 
 MAX_NEW_TOKENS = 28
 
@@ -62,7 +62,8 @@ def greedy(
     model, ref: Reference, prompt: str, pixels: Optional[np.ndarray], margins: Optional[List[float]] = None
 ) -> List[int]:
     """The reference's greedy answer ids (cached decode, stops after end of turn); ``margins``
-    collects each step's top-1 minus top-2 logit."""
+    collects each step's top-1 minus top-2 logit. Not reference.greedy_steps: the toy's answers
+    end at end of turn and its prompts are built here, without a processor."""
     import torch
 
     extra, tokens = {}, None

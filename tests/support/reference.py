@@ -54,3 +54,32 @@ def tokenizer_and_image_processor(folder: pathlib.Path, *, with_tokenizer_bounds
         bounds = json.loads((pathlib.Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
         kwargs = {k: bounds[k] for k in ("min_pixels", "max_pixels")}
     return tokenizer, CohereCompassImageProcessorPil.from_pretrained(folder, **kwargs)
+
+
+def greedy_steps(forward, ids, n: int):
+    """The reference's greedy ids and step logits [n, V] (numpy), ``n`` steps without a cache and
+    without stopping at EOS: each step runs ``forward(seq, use_cache=False)`` on the whole sequence."""
+    import numpy as np
+    import torch
+
+    seq, greedy, steps = ids, [], []
+    for _ in range(n):
+        logits = forward(seq, use_cache=False).logits[0, -1]
+        greedy.append(int(logits.argmax()))
+        steps.append(logits.numpy())
+        seq = torch.cat([seq, torch.tensor([[greedy[-1]]])], dim=1)
+    return greedy, np.stack(steps)
+
+
+def cached_greedy(model, forward, ids, n: int):
+    """The reference's own cached decode (its sliding-window cache): ``forward(ids, use_cache=True)``,
+    then one token a step; the rope deltas of the prefill stay on the model."""
+    import torch
+
+    out = forward(ids, use_cache=True)
+    cache, logits, got = out.cache, out.logits[0, -1], []
+    for _ in range(n):
+        got.append(int(logits.argmax()))
+        out = model(input_ids=torch.tensor([[got[-1]]]), cache=cache, use_cache=True)
+        cache, logits = out.cache, out.logits[0, -1]
+    return got

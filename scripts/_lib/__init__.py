@@ -1,1 +1,0 @@
-"""Code shared by the scripts (and importable by the tests); nothing here imports tests/."""
