@@ -7,11 +7,12 @@ library would load unsafely (docs/checkpoint-files.md has the measured table).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.support.broken_checkpoints import BROKEN, LOADS, make_broken
+from tests.support.broken_checkpoints import BROKEN, LOADS, OVERRIDE, make_broken
 from tests.support.checkpoints import quantize_checkpoint
 from tests.support.host_calls import MAX_TOKENS, generate, load
 from tests.support.vendored import vendored
@@ -72,3 +73,18 @@ def test_inconsistent_checkpoint_the_loader_reads_correctly(
     prompt = reference("text_short")["meta"]["prompt"]
     base = quantized_ckpt if case.quantized else tiny_ckpt_original
     assert generate(load(folder), prompt) == generate(load(base), prompt)
+
+
+def test_an_override_calling_stored_scales_unquantized_is_read_right_or_refused(
+    tiny_ckpt_original, quantized_ckpt, tmp_path, reference
+):
+    """Never a silent wrong answer: the pin reads the stored scales, or refuses in one line."""
+    folder = make_broken(OVERRIDE, tiny_ckpt_original, quantized_ckpt, tmp_path)
+    prompt = reference("text_short")["meta"]["prompt"]
+    exc, pattern = OVERRIDE.load
+    try:
+        loaded = load(folder)
+    except exc as err:
+        assert re.search("(?s)" + pattern, str(err)) and "\n" not in str(err), err
+        return
+    assert generate(loaded, prompt) == generate(load(quantized_ckpt), prompt)

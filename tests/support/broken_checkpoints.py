@@ -12,7 +12,6 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, List, Tuple
 
@@ -260,16 +259,14 @@ BROKEN: List[Broken] = [
     ),
 ]
 
-_OVERRIDE = Broken(
+# Read right (mlx-vlm 0.6.12 quantizes every module whose scales are stored) or refused in one
+# line (0.4.4 and 0.7 build the module unquantized, and the stored scales fail the strict load).
+OVERRIDE = Broken(
     "quantization_override_says_unquantized",
     _first_quantized(lambda d, m: edit_json(d, "config.json", lambda c: c["quantization"].__setitem__(m, False))),
     _refused("mismatch", r"ValueError: Received 2 parameters not in model: .*"),
     quantized=True,
 )
-# mlx-vlm 0.7 builds a module an override calls unquantized as such (its stored scales then fail
-# the strict load); 0.6.12 quantizes every module whose scales are stored.
-_OVERRIDE_REFUSED = tuple(int(p) for p in version("mlx-vlm").split(".")[:2]) >= (0, 7)
-BROKEN += [_OVERRIDE] if _OVERRIDE_REFUSED else []
 
 # Inconsistent, but the loader reads them correctly as they are (each answers as its base copy):
 # mlx-vlm 0.6.12 / 0.7.10 glob the *.safetensors when the index is unusable.
@@ -280,7 +277,7 @@ LOADS: List[Broken] = [
         _index({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}),
         (type(None), ""),
     ),
-] + ([] if _OVERRIDE_REFUSED else [_OVERRIDE])
+]
 
 
 def make_broken(case: Broken, good: Path, quantized: Path, where: Path) -> Path:
