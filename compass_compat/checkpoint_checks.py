@@ -165,8 +165,8 @@ def _check_rope(folder: Path, config: Dict[str, Any]) -> None:
         )
 
 
-# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install
-# loads one is measured by compass_compat.probes (docs/testing.md).
+# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install's
+# loader passes the mode is measured by compass_compat.probes (docs/testing.md).
 QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 
 
