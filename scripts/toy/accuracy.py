@@ -30,9 +30,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from PIL import Image
 
-    from compass_data import boxes, shapes, toy
+    from compass_data import shapes, toy
     from scripts._lib import mlx_vlm_run
     from scripts._lib.quantize import quantize_folder
+    from scripts.toy.scoring import box_hit
 
     reference = json.loads((ROOT / "tests" / "fixtures" / "toy_reference.json").read_text())
     count = reference["test_pictures_per_bucket_and_renderer"]
@@ -53,15 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for kind, q in example.questions.items():
                     ids = mlx_vlm_run.answer_ids(folder, q.prompt, path, reference["max_new_tokens"])
                     text = processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
-                    if kind == "where":
-                        found = boxes.find_boxes(text)
-                        hit = (
-                            bool(found)
-                            and boxes.iou(boxes.to_pixels(found[0], example.scene.size), shapes.pixel_box(q.subject))
-                            >= 0.5
-                        )
-                    else:
-                        hit = text == q.answer
+                    hit = box_hit(text, q.subject, example.scene.size) if kind == "where" else text == q.answer
                     table.setdefault(precision, {}).setdefault(f"{bucket} {renderer}", {}).setdefault(kind, []).append(
                         hit
                     )
