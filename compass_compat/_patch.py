@@ -179,15 +179,6 @@ class _Hooks:
     mlx_lm_models: Any = None
 
 
-def _import_or_none(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and name.startswith(exc.name):
-            return None  # the module itself is gone: reported as a missing hook
-        raise
-
-
 def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     """Look up every hook; raise naming all missing ones. Changes nothing."""
     try:
@@ -201,12 +192,6 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
 
     missing: List[str] = []
 
-    def module(name: str) -> Any:
-        found = _import_or_none(name)
-        if found is None:
-            missing.append(name)
-        return found
-
     def need(owner: Any, owner_name: str, attr: str, check: Callable[[Any], bool] = callable) -> Any:
         if owner is None:
             return None  # the owner itself is already reported missing
@@ -219,21 +204,19 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     def is_path(p: Any) -> bool:
         return hasattr(p, "append")
 
-    need(mlx_vlm, "mlx_vlm", "__path__", is_path)
-    models = module("mlx_vlm.models")
+    # The modules are on every supported pin (mlx-lm is a dependency of mlx-vlm); what moves between releases
+    # is what they hold.
+    models = importlib.import_module("mlx_vlm.models")
     need(models, "mlx_vlm.models", "__path__", is_path)
-    prompt_utils = module("mlx_vlm.prompt_utils")
+    prompt_utils = importlib.import_module("mlx_vlm.prompt_utils")
     model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
     message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat", lambda v: True)
     # LIST_WITH_IMAGE_FIRST: on every mlx-vlm from 0.4.4 to 0.7.10 (qwen3_vl uses it).
     image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST", lambda v: True)
     auto_processor = need(transformers, "transformers", "AutoProcessor", lambda v: True)
     need(auto_processor, "transformers.AutoProcessor", "from_pretrained")
-    vendor = vendor_root()
-    lm_models = module("mlx_lm.models") if mlx_lm else None
+    lm_models = importlib.import_module("mlx_lm.models") if mlx_lm else None
     need(lm_models, "mlx_lm.models", "__path__", is_path)
-    if mlx_lm and not (vendor / "mlx_lm" / "models" / f"{MODEL_TYPE}.py").is_file():
-        missing.append(f"{vendor / 'mlx_lm' / 'models' / MODEL_TYPE}.py (vendored tree)")
     version = _mlx_vlm_version()
     if missing:
         raise CompassCompatError(
@@ -242,7 +225,7 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
             hooks=missing,
             mlx_vlm_version=version,
         )
-    return _Hooks(version, vendor, mlx_vlm, models, model_config, image_first, auto_processor, lm_models)
+    return _Hooks(version, vendor_root(), mlx_vlm, models, model_config, image_first, auto_processor, lm_models)
 
 
 def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.ModuleSpec]:
@@ -380,14 +363,7 @@ def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
     def from_pretrained(original: Callable[..., Any], cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_compass_checkpoint(path):
             return original(cls, path, *args, **kwargs)
-        processor_cls = getattr(importlib.import_module(PROCESSING_MODULE), PROCESSOR_CLASS, None)
-        if not hasattr(processor_cls, "from_pretrained"):
-            raise CompassCompatError(
-                f"{PROCESSING_MODULE} defines no {PROCESSOR_CLASS}.from_pretrained; "
-                f"cannot build the cohere_compass processor for {os.fspath(path)}",
-                hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
-                mlx_vlm_version=_mlx_vlm_version(),
-            )
+        processor_cls = getattr(importlib.import_module(PROCESSING_MODULE), PROCESSOR_CLASS)
         checkpoint_checks.validate_checkpoint(path)
         return _refusing(path, processor_cls.from_pretrained, path, *args, **kwargs)
 
