@@ -52,7 +52,7 @@ _MISSING = object()
 _UNREADABLE = object()
 _VIDEO_ITEM_TYPES = ("video", "video_url", "input_video")
 
-_Undo = Tuple[str, Callable[[], None]]
+_Undo = Callable[[], None]
 
 
 @dataclass
@@ -238,7 +238,7 @@ def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.Mo
 # ------------------------------------------------------------------ installing
 
 
-def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo], *, owner_name: str) -> bool:
+def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo]) -> bool:
     """Install ``hook(original, *args, **kwargs)`` in place of ``owner.attr`` (a function or a
     classmethod of ``owner`` itself): tagged with TAG, ``__wrapped__`` and the original, never
     installed twice. Undone, it passes every call through, and is removed while it is still the
@@ -266,11 +266,11 @@ def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo], *,
         if vars(owner).get(attr) is installed:
             setattr(owner, attr, original)
 
-    undo.append((f"restore {owner_name}.{attr}", restore))
+    undo.append(restore)
     return True
 
 
-def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) -> None:
+def _append_path(owner: Any, entry: Path, undo: List[_Undo]) -> None:
     text = str(entry)
     if any(os.path.realpath(p) == os.path.realpath(text) for p in list(owner.__path__)):
         return
@@ -280,7 +280,7 @@ def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) ->
         if text in owner.__path__:
             owner.__path__.remove(text)
 
-    undo.append((f"remove {text} from {owner_name}.__path__", remove))
+    undo.append(remove)
 
 
 def _package_modules() -> List[str]:
@@ -304,7 +304,7 @@ def _make_vendored_live(hooks: _Hooks, undo: List[_Undo]) -> None:
         else:
             setattr(parent, MODEL_TYPE, old_attr)
 
-    undo.append((f"restore the {PACKAGE} modules found in sys.modules", restore))
+    undo.append(restore)
     for name in saved:
         del sys.modules[name]
     # An explicit spec keeps the name, so the package's relative imports (..base, ..cache)
@@ -332,7 +332,7 @@ def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) 
         else:
             table[MODEL_TYPE] = previous
 
-    undo.append((f"restore mlx_vlm.prompt_utils.MODEL_CONFIG[{MODEL_TYPE!r}]", restore))
+    undo.append(restore)
 
 
 def _local_config(path: Any) -> Any:
@@ -367,7 +367,7 @@ def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
         checkpoint_checks.validate_checkpoint(path)
         return _refusing(path, processor_cls.from_pretrained, path, *args, **kwargs)
 
-    _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo, owner_name="transformers.AutoProcessor")
+    _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo)
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,7 +430,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
             return _fp_modes_in_float32(_refusing(model_path, original, model_path, *args, **kwargs))
         return original(model_path, *args, **kwargs)
 
-    _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo, owner_name="mlx_vlm.utils")
+    _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo)
 
 
 def _is_video_item(item: Any) -> bool:
@@ -461,7 +461,7 @@ def _install_video_prompt_hook(undo: List[_Undo]) -> None:
         content[at:at] = [{"type": "video"} for _ in range(count)]
         return {**message, "content": content}
 
-    _wrap(formatter, "format_message", format_message, undo, owner_name="mlx_vlm.prompt_utils.MessageFormatter")
+    _wrap(formatter, "format_message", format_message, undo)
 
 
 def _install_video_file_hook(undo: List[_Undo]) -> None:
@@ -500,26 +500,16 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         if processor is not None and hasattr(processor, "reread_decoded"):
             processor.reread_decoded = None
 
-    undo.append(("forget the video reader", forget_reader))
-    _wrap(utils, "load_video", load_video, undo, owner_name="mlx_vlm.utils")
+    undo.append(forget_reader)
+    _wrap(utils, "load_video", load_video, undo)
 
 
 # ------------------------------------------------------------------- public
 
 
-def _run_undo(steps: List[_Undo], version: str) -> None:
-    failures = []
-    for description, step in reversed(steps):
-        try:
-            step()
-        except Exception as exc:  # collected and re-raised below, never dropped
-            failures.append(f"{description}: {exc!r}")
-    steps.clear()
-    if failures:
-        raise CompassCompatError(
-            f"compass-compat could not fully undo its patch of mlx-vlm {version}: " + "; ".join(failures),
-            mlx_vlm_version=version,
-        )
+def _run_undo(steps: List[_Undo]) -> None:
+    while steps:
+        steps.pop()()
 
 
 def apply_patch(
@@ -590,8 +580,8 @@ def apply_patch(
             )
         steps: List[_Undo] = []
         try:
-            _append_path(hooks.mlx_vlm, "mlx_vlm", hooks.vendor / "mlx_vlm", steps)
-            _append_path(hooks.models, "mlx_vlm.models", hooks.vendor / "mlx_vlm" / "models", steps)
+            _append_path(hooks.mlx_vlm, hooks.vendor / "mlx_vlm", steps)
+            _append_path(hooks.models, hooks.vendor / "mlx_vlm" / "models", steps)
             if force:
                 _make_vendored_live(hooks, steps)
             _register_message_format(hooks, overwrite=force, undo=steps)
@@ -602,9 +592,9 @@ def apply_patch(
                 _install_video_prompt_hook(steps)
                 _install_video_file_hook(steps)
             if lm:  # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path)
-                _append_path(hooks.mlx_lm_models, "mlx_lm.models", hooks.vendor / "mlx_lm" / "models", steps)
+                _append_path(hooks.mlx_lm_models, hooks.vendor / "mlx_lm" / "models", steps)
         except BaseException:
-            _run_undo(steps, hooks.version)
+            _run_undo(steps)
             raise
         first = not _STATE.applied
         _STATE.undo.extend(steps)
@@ -635,7 +625,7 @@ def remove_patch() -> bool:
             return False
         steps = _STATE.undo
         _STATE.__init__()  # type: ignore[misc]
-        _run_undo(steps, _mlx_vlm_version())
+        _run_undo(steps)
         root = vendor_root()
         for name, module in list(sys.modules.items()):
             if name.startswith(("mlx_vlm.", "mlx_lm.")) and within(getattr(module, "__file__", None), root):
