@@ -174,14 +174,13 @@ def _check_quantization(folder: Path, block: Any) -> None:
     """Each quantization mode config.json names (the block, its per-module overrides)."""
     if not isinstance(block, dict):
         return
-    settings = [("the model", block)] + [(k, v) for k, v in block.items() if isinstance(v, dict)]
-    for module, values in settings:
+    for values in [block] + [v for v in block.values() if isinstance(v, dict)]:
         mode = values.get("mode", block.get("mode", "affine"))
         bits, group = values.get("bits", block.get("bits")), values.get("group_size", block.get("group_size"))
-        _check_mode(folder, module, mode, bits, group)
+        _check_mode(folder, mode, bits, group)
 
 
-def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> None:
+def _check_mode(folder: Path, mode: Any, bits: Any, group: Any) -> None:
     """Refuse a quantization mode this install is measured not to load, before mlx-vlm's loader runs."""
     if mode == "affine" or QUANT_MODES.get(mode) != (group, bits):
         return  # mlx refuses an unknown mode, and weights of another group or bits, itself
