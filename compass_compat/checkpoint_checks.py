@@ -18,7 +18,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from .vendor import package_dir, vendored_module
+from .vendor import package_dir, vendored_module, within
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
@@ -218,13 +218,13 @@ def refusal(folder: Any, err: BaseException) -> Optional[CheckpointError]:
     raised_in = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
     config = _json(folder / "config.json")
     hint = _defaulted_hint(config) if isinstance(config, dict) else ""
-    if "processing" in Path(raised_in).name and _within(raised_in, package_dir()):
+    if "processing" in Path(raised_in).name and within(raised_in, package_dir()):
         return CheckpointError(
             f"{folder}: {words}. Restore the image settings published with the checkpoint (processor_config.json's "
             f"image_processor block, preprocessor_config.json, tokenizer_config.json){PUBLISHED_IMAGE_SETTINGS}",
             folder=folder,
         )
-    if _within(raised_in, package_dir()):  # the vendored model refuses a config.json value
+    if within(raised_in, package_dir()):  # the vendored model refuses a config.json value
         return CheckpointError(
             f"config.json in {folder}: {words}. Fix that value (the published config.json has the right one).{hint}",
             folder=folder,
@@ -247,13 +247,6 @@ def refusal(folder: Any, err: BaseException) -> Optional[CheckpointError]:
         folder=folder,
         file=file,
     )
-
-
-def _within(path: str, target: Path) -> bool:
-    try:
-        return os.path.commonpath([os.path.realpath(path), os.path.realpath(target)]) == os.path.realpath(target)
-    except ValueError:
-        return False
 
 
 def _file_read(err: BaseException, folder: Path) -> Optional[str]:
