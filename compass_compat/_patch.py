@@ -74,34 +74,19 @@ _STATE = _State()
 
 @dataclass(frozen=True)
 class ImplementationInfo:
-    """Which ``cohere_compass`` implementation mlx-vlm gets, and why.
+    """Which ``cohere_compass`` implementation mlx-vlm gets, and why (docs/shim.md)."""
 
-    Attributes:
-        implementation: ``"vendored"``, ``"upstream"`` or ``"none"``.
-        file: the ``__init__.py`` of the live (or, if not yet imported, the resolvable) package, or None.
-        loaded: whether ``mlx_vlm.models.cohere_compass`` is in ``sys.modules``.
-        patched: whether :func:`apply_patch` is in effect.
-        forced: whether the vendored package was made live over upstream's.
-        upstream_available: whether the installed mlx-vlm ships its own package.
-        mlx_vlm_version: the installed mlx-vlm version.
-        vendor_dir: the vendored tree this copy of compass-compat uses.
-        reason: one sentence saying why this implementation is the live one.
-        switch: ``COMPASS_COMPAT_IMPLEMENTATION`` as applied: auto, vendored or upstream.
-        verdict: what the recorded checklist verdicts say of the installed mlx-vlm's own
-            ``cohere_compass``, or "" where mlx-vlm ships none.
-    """
-
-    implementation: str
-    file: Optional[str]
-    loaded: bool
+    implementation: str  # "vendored", "upstream" or "none"
+    file: Optional[str]  # the live (or, not yet imported, the resolvable) package's __init__.py
+    loaded: bool  # mlx_vlm.models.cohere_compass is in sys.modules
     patched: bool
-    forced: bool
-    upstream_available: bool
+    forced: bool  # the vendored package made live over upstream's
+    upstream_available: bool  # the installed mlx-vlm ships its own package
     mlx_vlm_version: str
     vendor_dir: str
-    reason: str
-    switch: str = "auto"
-    verdict: str = ""
+    reason: str  # one sentence: why this implementation is the live one
+    switch: str = "auto"  # COMPASS_COMPAT_IMPLEMENTATION as applied
+    verdict: str = ""  # the recorded verdict on the installed mlx-vlm's own package; "" where it ships none
 
 
 # ---------------------------------------------------------------- the switch
@@ -518,32 +503,17 @@ def apply_patch(
     *,
     force_vendored: Optional[bool] = None,
 ) -> bool:
-    """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints.
+    """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints; True if this call
+    changed anything. The switch and its rule: docs/shim.md, "Upstream or vendored".
 
     Args:
-        implementation: which ``cohere_compass`` is live where the installed mlx-vlm (0.6.13 and
-            later) ships its own: ``"auto"`` (upstream's only if the checklist's recorded verdict
-            for this release passes every item, else the vendored package, made live also if
-            upstream's was imported already), ``"vendored"`` or ``"upstream"``. None (the
-            default) reads ``COMPASS_COMPAT_IMPLEMENTATION`` (empty: auto), or
-            ``COMPASS_COMPAT_FORCE_VENDORED=1`` (an alias of vendored). Where mlx-vlm ships none,
-            the vendored package is live whatever the switch says (upstream is then an error).
-        mlx_lm: also register the vendored text decoder with mlx-lm
-            (``mlx_lm.models.cohere_compass``, text prompts only). None (the
-            default) reads ``COMPASS_COMPAT_MLX_LM``. Needs the vendored package live.
+        implementation: ``"auto"``, ``"vendored"`` or ``"upstream"``; None reads
+            ``COMPASS_COMPAT_IMPLEMENTATION`` (or ``COMPASS_COMPAT_FORCE_VENDORED=1``, an alias of vendored).
+        mlx_lm: also register the vendored text decoder with mlx-lm; None reads ``COMPASS_COMPAT_MLX_LM``.
         force_vendored: the older form of ``implementation="vendored"`` (False: auto).
 
-    Returns:
-        True if this call changed anything; False if the patch was already in effect as asked.
-        An ``mlx_lm`` call after an apply without it upgrades it and returns True. To go from the
-        vendored package back to upstream's, call :func:`remove_patch` first.
-
     Raises:
-        CompassCompatError: a hook is missing (mlx-vlm is left exactly as found), the switch has
-            another value, upstream's package was asked for where mlx-vlm ships none (or after the
-            vendored one was made live), the verdict record is missing or corrupt, or the
-            vendored package could not be made live. Any error midway undoes what this call did
-            and propagates.
+        CompassCompatError: naming what to fix; mlx-vlm is left as this call found it.
     """
     switch, source = _switch(implementation, force_vendored)
     lm = _flag_from_env(MLX_LM_ENV)[0] if mlx_lm is None else bool(mlx_lm)
