@@ -1,13 +1,6 @@
-"""Checks on a cohere_compass checkpoint folder where the libraries that read it are unsafe, and
-their own refusals as one line.
-
-:func:`validate_checkpoint` refuses, before mlx-vlm's loader reads anything, only what that loader
-would not refuse safely (docs/checkpoint-files.md has the measured table): a path leaving the
-folder, a ``model_file`` (mlx-vlm >= 0.7 runs it), a text config without rotary parameters, a
-quantization mode this install is measured to compute wrong. Every other broken file is refused by
-the library reading it; :func:`refusal` turns that error into one :class:`CheckpointError` line
-naming the file and the remedy, the library's words inside.
-"""
+"""Checks on a cohere_compass checkpoint folder where the libraries that read it are unsafe
+(:func:`validate_checkpoint`; the measured table is docs/checkpoint-files.md), and those libraries'
+own refusals as one :class:`CheckpointError` line naming the file and the remedy (:func:`refusal`)."""
 
 from __future__ import annotations
 
@@ -62,13 +55,9 @@ class CheckpointError(ValueError):
 
 
 def validate_checkpoint(path: Any) -> None:
-    """Refuse a local cohere_compass checkpoint folder that mlx-vlm would read unsafely: outside
-    the folder, running its code, or loading a model that answers wrong. Reads only the folder's
-    entries and its JSON files; every other problem is left to the loader (:func:`refusal`).
-
-    Raises:
-        CheckpointError: the first problem found, with what to do about it.
-    """
+    """Raise CheckpointError for the first thing in a local cohere_compass folder that mlx-vlm would
+    read unsafely: a path leaving the folder, a model_file, no rotary parameters, a quantization mode
+    this install's loader drops. Reads only the folder's entries and its JSON files."""
     folder = Path(os.fspath(path))
     if not folder.is_dir():
         raise CheckpointError(
