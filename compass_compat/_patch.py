@@ -52,7 +52,7 @@ _MISSING = object()
 _UNREADABLE = object()
 _VIDEO_ITEM_TYPES = ("video", "video_url", "input_video")
 
-_Undo = Tuple[str, Callable[[], None]]
+_Undo = Callable[[], None]
 
 
 @dataclass
@@ -74,34 +74,19 @@ _STATE = _State()
 
 @dataclass(frozen=True)
 class ImplementationInfo:
-    """Which ``cohere_compass`` implementation mlx-vlm gets, and why.
+    """Which ``cohere_compass`` implementation mlx-vlm gets, and why (docs/shim.md)."""
 
-    Attributes:
-        implementation: ``"vendored"``, ``"upstream"`` or ``"none"``.
-        file: the ``__init__.py`` of the live (or, if not yet imported, the resolvable) package, or None.
-        loaded: whether ``mlx_vlm.models.cohere_compass`` is in ``sys.modules``.
-        patched: whether :func:`apply_patch` is in effect.
-        forced: whether the vendored package was made live over upstream's.
-        upstream_available: whether the installed mlx-vlm ships its own package.
-        mlx_vlm_version: the installed mlx-vlm version.
-        vendor_dir: the vendored tree this copy of compass-compat uses.
-        reason: one sentence saying why this implementation is the live one.
-        switch: ``COMPASS_COMPAT_IMPLEMENTATION`` as applied: auto, vendored or upstream.
-        verdict: what the recorded checklist verdicts say of the installed mlx-vlm's own
-            ``cohere_compass``, or "" where mlx-vlm ships none.
-    """
-
-    implementation: str
-    file: Optional[str]
-    loaded: bool
+    implementation: str  # "vendored", "upstream" or "none"
+    file: Optional[str]  # the live (or, not yet imported, the resolvable) package's __init__.py
+    loaded: bool  # mlx_vlm.models.cohere_compass is in sys.modules
     patched: bool
-    forced: bool
-    upstream_available: bool
+    forced: bool  # the vendored package made live over upstream's
+    upstream_available: bool  # the installed mlx-vlm ships its own package
     mlx_vlm_version: str
     vendor_dir: str
-    reason: str
-    switch: str = "auto"
-    verdict: str = ""
+    reason: str  # one sentence: why this implementation is the live one
+    switch: str = "auto"  # COMPASS_COMPAT_IMPLEMENTATION as applied
+    verdict: str = ""  # the recorded verdict on the installed mlx-vlm's own package; "" where it ships none
 
 
 # ---------------------------------------------------------------- the switch
@@ -179,15 +164,6 @@ class _Hooks:
     mlx_lm_models: Any = None
 
 
-def _import_or_none(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and name.startswith(exc.name):
-            return None  # the module itself is gone: reported as a missing hook
-        raise
-
-
 def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     """Look up every hook; raise naming all missing ones. Changes nothing."""
     try:
@@ -201,12 +177,6 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
 
     missing: List[str] = []
 
-    def module(name: str) -> Any:
-        found = _import_or_none(name)
-        if found is None:
-            missing.append(name)
-        return found
-
     def need(owner: Any, owner_name: str, attr: str, check: Callable[[Any], bool] = callable) -> Any:
         if owner is None:
             return None  # the owner itself is already reported missing
@@ -219,21 +189,19 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     def is_path(p: Any) -> bool:
         return hasattr(p, "append")
 
-    need(mlx_vlm, "mlx_vlm", "__path__", is_path)
-    models = module("mlx_vlm.models")
+    # The modules are on every supported pin (mlx-lm is a dependency of mlx-vlm); what moves between releases
+    # is what they hold.
+    models = importlib.import_module("mlx_vlm.models")
     need(models, "mlx_vlm.models", "__path__", is_path)
-    prompt_utils = module("mlx_vlm.prompt_utils")
+    prompt_utils = importlib.import_module("mlx_vlm.prompt_utils")
     model_config = need(prompt_utils, "mlx_vlm.prompt_utils", "MODEL_CONFIG", lambda d: isinstance(d, dict))
     message_format = need(prompt_utils, "mlx_vlm.prompt_utils", "MessageFormat", lambda v: True)
     # LIST_WITH_IMAGE_FIRST: on every mlx-vlm from 0.4.4 to 0.7.10 (qwen3_vl uses it).
     image_first = need(message_format, "mlx_vlm.prompt_utils.MessageFormat", "LIST_WITH_IMAGE_FIRST", lambda v: True)
     auto_processor = need(transformers, "transformers", "AutoProcessor", lambda v: True)
     need(auto_processor, "transformers.AutoProcessor", "from_pretrained")
-    vendor = vendor_root()
-    lm_models = module("mlx_lm.models") if mlx_lm else None
+    lm_models = importlib.import_module("mlx_lm.models") if mlx_lm else None
     need(lm_models, "mlx_lm.models", "__path__", is_path)
-    if mlx_lm and not (vendor / "mlx_lm" / "models" / f"{MODEL_TYPE}.py").is_file():
-        missing.append(f"{vendor / 'mlx_lm' / 'models' / MODEL_TYPE}.py (vendored tree)")
     version = _mlx_vlm_version()
     if missing:
         raise CompassCompatError(
@@ -242,7 +210,7 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
             hooks=missing,
             mlx_vlm_version=version,
         )
-    return _Hooks(version, vendor, mlx_vlm, models, model_config, image_first, auto_processor, lm_models)
+    return _Hooks(version, vendor_root(), mlx_vlm, models, model_config, image_first, auto_processor, lm_models)
 
 
 def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.ModuleSpec]:
@@ -255,7 +223,7 @@ def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.Mo
 # ------------------------------------------------------------------ installing
 
 
-def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo], *, owner_name: str) -> bool:
+def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo]) -> bool:
     """Install ``hook(original, *args, **kwargs)`` in place of ``owner.attr`` (a function or a
     classmethod of ``owner`` itself): tagged with TAG, ``__wrapped__`` and the original, never
     installed twice. Undone, it passes every call through, and is removed while it is still the
@@ -283,11 +251,11 @@ def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo], *,
         if vars(owner).get(attr) is installed:
             setattr(owner, attr, original)
 
-    undo.append((f"restore {owner_name}.{attr}", restore))
+    undo.append(restore)
     return True
 
 
-def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) -> None:
+def _append_path(owner: Any, entry: Path, undo: List[_Undo]) -> None:
     text = str(entry)
     if any(os.path.realpath(p) == os.path.realpath(text) for p in list(owner.__path__)):
         return
@@ -297,7 +265,7 @@ def _append_path(owner: Any, owner_name: str, entry: Path, undo: List[_Undo]) ->
         if text in owner.__path__:
             owner.__path__.remove(text)
 
-    undo.append((f"remove {text} from {owner_name}.__path__", remove))
+    undo.append(remove)
 
 
 def _package_modules() -> List[str]:
@@ -321,7 +289,7 @@ def _make_vendored_live(hooks: _Hooks, undo: List[_Undo]) -> None:
         else:
             setattr(parent, MODEL_TYPE, old_attr)
 
-    undo.append((f"restore the {PACKAGE} modules found in sys.modules", restore))
+    undo.append(restore)
     for name in saved:
         del sys.modules[name]
     # An explicit spec keeps the name, so the package's relative imports (..base, ..cache)
@@ -349,7 +317,7 @@ def _register_message_format(hooks: _Hooks, overwrite: bool, undo: List[_Undo]) 
         else:
             table[MODEL_TYPE] = previous
 
-    undo.append((f"restore mlx_vlm.prompt_utils.MODEL_CONFIG[{MODEL_TYPE!r}]", restore))
+    undo.append(restore)
 
 
 def _local_config(path: Any) -> Any:
@@ -380,18 +348,11 @@ def _install_processor_hook(hooks: _Hooks, undo: List[_Undo]) -> None:
     def from_pretrained(original: Callable[..., Any], cls: type, path: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_compass_checkpoint(path):
             return original(cls, path, *args, **kwargs)
-        processor_cls = getattr(importlib.import_module(PROCESSING_MODULE), PROCESSOR_CLASS, None)
-        if not hasattr(processor_cls, "from_pretrained"):
-            raise CompassCompatError(
-                f"{PROCESSING_MODULE} defines no {PROCESSOR_CLASS}.from_pretrained; "
-                f"cannot build the cohere_compass processor for {os.fspath(path)}",
-                hooks=[f"{PROCESSING_MODULE}.{PROCESSOR_CLASS}"],
-                mlx_vlm_version=_mlx_vlm_version(),
-            )
+        processor_cls = getattr(importlib.import_module(PROCESSING_MODULE), PROCESSOR_CLASS)
         checkpoint_checks.validate_checkpoint(path)
         return _refusing(path, processor_cls.from_pretrained, path, *args, **kwargs)
 
-    _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo, owner_name="transformers.AutoProcessor")
+    _wrap(hooks.auto_processor, "from_pretrained", from_pretrained, undo)
 
 
 @functools.lru_cache(maxsize=None)
@@ -454,7 +415,7 @@ def _install_loader_guard(undo: List[_Undo]) -> None:
             return _fp_modes_in_float32(_refusing(model_path, original, model_path, *args, **kwargs))
         return original(model_path, *args, **kwargs)
 
-    _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo, owner_name="mlx_vlm.utils")
+    _wrap(importlib.import_module("mlx_vlm.utils"), "load_model", load_model, undo)
 
 
 def _is_video_item(item: Any) -> bool:
@@ -485,7 +446,7 @@ def _install_video_prompt_hook(undo: List[_Undo]) -> None:
         content[at:at] = [{"type": "video"} for _ in range(count)]
         return {**message, "content": content}
 
-    _wrap(formatter, "format_message", format_message, undo, owner_name="mlx_vlm.prompt_utils.MessageFormatter")
+    _wrap(formatter, "format_message", format_message, undo)
 
 
 def _install_video_file_hook(undo: List[_Undo]) -> None:
@@ -524,26 +485,16 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
         if processor is not None and hasattr(processor, "reread_decoded"):
             processor.reread_decoded = None
 
-    undo.append(("forget the video reader", forget_reader))
-    _wrap(utils, "load_video", load_video, undo, owner_name="mlx_vlm.utils")
+    undo.append(forget_reader)
+    _wrap(utils, "load_video", load_video, undo)
 
 
 # ------------------------------------------------------------------- public
 
 
-def _run_undo(steps: List[_Undo], version: str) -> None:
-    failures = []
-    for description, step in reversed(steps):
-        try:
-            step()
-        except Exception as exc:  # collected and re-raised below, never dropped
-            failures.append(f"{description}: {exc!r}")
-    steps.clear()
-    if failures:
-        raise CompassCompatError(
-            f"compass-compat could not fully undo its patch of mlx-vlm {version}: " + "; ".join(failures),
-            mlx_vlm_version=version,
-        )
+def _run_undo(steps: List[_Undo]) -> None:
+    while steps:
+        steps.pop()()
 
 
 def apply_patch(
@@ -552,32 +503,17 @@ def apply_patch(
     *,
     force_vendored: Optional[bool] = None,
 ) -> bool:
-    """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints.
+    """Patch the installed mlx-vlm so it can load ``cohere_compass`` checkpoints; True if this call
+    changed anything. The switch and its rule: docs/shim.md, "Upstream or vendored".
 
     Args:
-        implementation: which ``cohere_compass`` is live where the installed mlx-vlm (0.6.13 and
-            later) ships its own: ``"auto"`` (upstream's only if the checklist's recorded verdict
-            for this release passes every item, else the vendored package, made live also if
-            upstream's was imported already), ``"vendored"`` or ``"upstream"``. None (the
-            default) reads ``COMPASS_COMPAT_IMPLEMENTATION`` (empty: auto), or
-            ``COMPASS_COMPAT_FORCE_VENDORED=1`` (an alias of vendored). Where mlx-vlm ships none,
-            the vendored package is live whatever the switch says (upstream is then an error).
-        mlx_lm: also register the vendored text decoder with mlx-lm
-            (``mlx_lm.models.cohere_compass``, text prompts only). None (the
-            default) reads ``COMPASS_COMPAT_MLX_LM``. Needs the vendored package live.
+        implementation: ``"auto"``, ``"vendored"`` or ``"upstream"``; None reads
+            ``COMPASS_COMPAT_IMPLEMENTATION`` (or ``COMPASS_COMPAT_FORCE_VENDORED=1``, an alias of vendored).
+        mlx_lm: also register the vendored text decoder with mlx-lm; None reads ``COMPASS_COMPAT_MLX_LM``.
         force_vendored: the older form of ``implementation="vendored"`` (False: auto).
 
-    Returns:
-        True if this call changed anything; False if the patch was already in effect as asked.
-        An ``mlx_lm`` call after an apply without it upgrades it and returns True. To go from the
-        vendored package back to upstream's, call :func:`remove_patch` first.
-
     Raises:
-        CompassCompatError: a hook is missing (mlx-vlm is left exactly as found), the switch has
-            another value, upstream's package was asked for where mlx-vlm ships none (or after the
-            vendored one was made live), the verdict record is missing or corrupt, or the
-            vendored package could not be made live. Any error midway undoes what this call did
-            and propagates.
+        CompassCompatError: naming what to fix; mlx-vlm is left as this call found it.
     """
     switch, source = _switch(implementation, force_vendored)
     lm = _flag_from_env(MLX_LM_ENV)[0] if mlx_lm is None else bool(mlx_lm)
@@ -614,8 +550,8 @@ def apply_patch(
             )
         steps: List[_Undo] = []
         try:
-            _append_path(hooks.mlx_vlm, "mlx_vlm", hooks.vendor / "mlx_vlm", steps)
-            _append_path(hooks.models, "mlx_vlm.models", hooks.vendor / "mlx_vlm" / "models", steps)
+            _append_path(hooks.mlx_vlm, hooks.vendor / "mlx_vlm", steps)
+            _append_path(hooks.models, hooks.vendor / "mlx_vlm" / "models", steps)
             if force:
                 _make_vendored_live(hooks, steps)
             _register_message_format(hooks, overwrite=force, undo=steps)
@@ -626,9 +562,9 @@ def apply_patch(
                 _install_video_prompt_hook(steps)
                 _install_video_file_hook(steps)
             if lm:  # mlx-lm 0.28 to 0.32 ship no cohere_compass; one that does wins (end of path)
-                _append_path(hooks.mlx_lm_models, "mlx_lm.models", hooks.vendor / "mlx_lm" / "models", steps)
+                _append_path(hooks.mlx_lm_models, hooks.vendor / "mlx_lm" / "models", steps)
         except BaseException:
-            _run_undo(steps, hooks.version)
+            _run_undo(steps)
             raise
         first = not _STATE.applied
         _STATE.undo.extend(steps)
@@ -659,7 +595,7 @@ def remove_patch() -> bool:
             return False
         steps = _STATE.undo
         _STATE.__init__()  # type: ignore[misc]
-        _run_undo(steps, _mlx_vlm_version())
+        _run_undo(steps)
         root = vendor_root()
         for name, module in list(sys.modules.items()):
             if name.startswith(("mlx_vlm.", "mlx_lm.")) and within(getattr(module, "__file__", None), root):

@@ -1,13 +1,6 @@
-"""Checks on a cohere_compass checkpoint folder where the libraries that read it are unsafe, and
-their own refusals as one line.
-
-:func:`validate_checkpoint` refuses, before mlx-vlm's loader reads anything, only what that loader
-would not refuse safely (docs/checkpoint-files.md has the measured table): a path leaving the
-folder, a ``model_file`` (mlx-vlm >= 0.7 runs it), a text config without rotary parameters, a
-quantization mode this install is measured to compute wrong. Every other broken file is refused by
-the library reading it; :func:`refusal` turns that error into one :class:`CheckpointError` line
-naming the file and the remedy, the library's words inside.
-"""
+"""Checks on a cohere_compass checkpoint folder where the libraries that read it are unsafe
+(:func:`validate_checkpoint`; the measured table is docs/checkpoint-files.md), and those libraries'
+own refusals as one :class:`CheckpointError` line naming the file and the remedy (:func:`refusal`)."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from .vendor import package_dir, vendored_module
+from .vendor import package_dir, vendored_module, within
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,13 +55,9 @@ class CheckpointError(ValueError):
 
 
 def validate_checkpoint(path: Any) -> None:
-    """Refuse a local cohere_compass checkpoint folder that mlx-vlm would read unsafely: outside
-    the folder, running its code, or loading a model that answers wrong. Reads only the folder's
-    entries and its JSON files; every other problem is left to the loader (:func:`refusal`).
-
-    Raises:
-        CheckpointError: the first problem found, with what to do about it.
-    """
+    """Raise CheckpointError for the first thing in a local cohere_compass folder that mlx-vlm would
+    read unsafely: a path leaving the folder, a model_file, no rotary parameters, a quantization mode
+    this install's loader drops. Reads only the folder's entries and its JSON files."""
     folder = Path(os.fspath(path))
     if not folder.is_dir():
         raise CheckpointError(
@@ -165,8 +154,8 @@ def _check_rope(folder: Path, config: Dict[str, Any]) -> None:
         )
 
 
-# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install
-# loads one is measured by compass_compat.probes (docs/testing.md).
+# Quantization modes beyond affine and the (group_size, bits) each needs; whether this install's
+# loader passes the mode is measured by compass_compat.probes (docs/testing.md).
 QUANT_MODES = {"mxfp4": (32, 4), "mxfp8": (32, 8), "nvfp4": (16, 4)}
 
 
@@ -174,14 +163,13 @@ def _check_quantization(folder: Path, block: Any) -> None:
     """Each quantization mode config.json names (the block, its per-module overrides)."""
     if not isinstance(block, dict):
         return
-    settings = [("the model", block)] + [(k, v) for k, v in block.items() if isinstance(v, dict)]
-    for module, values in settings:
+    for values in [block] + [v for v in block.values() if isinstance(v, dict)]:
         mode = values.get("mode", block.get("mode", "affine"))
         bits, group = values.get("bits", block.get("bits")), values.get("group_size", block.get("group_size"))
-        _check_mode(folder, module, mode, bits, group)
+        _check_mode(folder, mode, bits, group)
 
 
-def _check_mode(folder: Path, module: str, mode: Any, bits: Any, group: Any) -> None:
+def _check_mode(folder: Path, mode: Any, bits: Any, group: Any) -> None:
     """Refuse a quantization mode this install is measured not to load, before mlx-vlm's loader runs."""
     if mode == "affine" or QUANT_MODES.get(mode) != (group, bits):
         return  # mlx refuses an unknown mode, and weights of another group or bits, itself
@@ -219,13 +207,13 @@ def refusal(folder: Any, err: BaseException) -> Optional[CheckpointError]:
     raised_in = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
     config = _json(folder / "config.json")
     hint = _defaulted_hint(config) if isinstance(config, dict) else ""
-    if "processing" in Path(raised_in).name and _within(raised_in, package_dir()):
+    if "processing" in Path(raised_in).name and within(raised_in, package_dir()):
         return CheckpointError(
             f"{folder}: {words}. Restore the image settings published with the checkpoint (processor_config.json's "
             f"image_processor block, preprocessor_config.json, tokenizer_config.json){PUBLISHED_IMAGE_SETTINGS}",
             folder=folder,
         )
-    if _within(raised_in, package_dir()):  # the vendored model refuses a config.json value
+    if within(raised_in, package_dir()):  # the vendored model refuses a config.json value
         return CheckpointError(
             f"config.json in {folder}: {words}. Fix that value (the published config.json has the right one).{hint}",
             folder=folder,
@@ -248,13 +236,6 @@ def refusal(folder: Any, err: BaseException) -> Optional[CheckpointError]:
         folder=folder,
         file=file,
     )
-
-
-def _within(path: str, target: Path) -> bool:
-    try:
-        return os.path.commonpath([os.path.realpath(path), os.path.realpath(target)]) == os.path.realpath(target)
-    except ValueError:
-        return False
 
 
 def _file_read(err: BaseException, folder: Path) -> Optional[str]:

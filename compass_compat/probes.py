@@ -90,8 +90,3 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
         f"{name} called mlx.nn.quantize with mode={got!r}"
         + ("" if ok else f", so the {mode} weights meet {'affine' if got == '<no mode keyword>' else got} layers"),
     )
-
-
-def clear_cache() -> None:
-    """Forget every cached verdict (the next call measures again)."""
-    loader_passes_mode.cache_clear()

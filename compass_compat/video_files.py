@@ -1,11 +1,6 @@
-"""Reading video files for cohere_compass: the frames the reference's sampling picks, and their times.
-
-Decoding uses what the installed mlx-vlm uses (OpenCV, which every mlx-vlm release requires):
-``mlx_vlm.utils.load_video`` where it takes a ``frame_sampler`` (mlx-vlm 0.7.x), else OpenCV
-directly with the same calls (seek to each index, read, BGR to RGB). Which frames are read is
-decided by a sampler, normally the cohere_compass video processor's ``sample_frames`` (the
-reference's rule), so a clip gives the reference's frames and timestamps on every pin.
-:data:`DECODED_VIDEOS` does the same for files mlx-vlm 0.6.x's ``load_video`` decoded by its own rule.
+"""Reading video files for cohere_compass: the frames the reference's sampling picks, and their times,
+decoded as the installed mlx-vlm decodes (its ``load_video`` where it takes a ``frame_sampler``, else
+OpenCV with the same calls); :data:`DECODED_VIDEOS` re-reads files mlx-vlm 0.6.x decoded by its own rule.
 """
 
 from __future__ import annotations
@@ -58,12 +53,7 @@ def _cv2():
 
 
 def probe(path: str) -> SourceMetadata:
-    """Frame count, frame rate and size of a video file, as OpenCV reports them.
-
-    Raises:
-        VideoFileError: the file is missing, cannot be opened, or reports no frames.
-        VideoDecoderMissingError: OpenCV is not installed.
-    """
+    """Frame count, frame rate and size of a video file, as OpenCV reports them."""
     file = Path(_strip_scheme(path)).expanduser()
     if not file.is_file():
         raise VideoFileError(f"video file not found: {file}")
@@ -84,23 +74,9 @@ def probe(path: str) -> SourceMetadata:
 
 
 def read_video(path: str, sampler: Sampler) -> Tuple[np.ndarray, SourceMetadata]:
-    """Decode the frames ``sampler`` picks from a video file.
-
-    Args:
-        path: a local file (``file://`` accepted).
-        sampler: maps the clip's :class:`SourceMetadata` to the frame indices to read, e.g.
-            ``lambda meta: processor.video_processor.sample_frames(meta, fps=2)``.
-
-    Returns:
-        ``(frames, metadata)``: frames ``(T, H, W, 3)`` uint8 RGB, and the clip's metadata with
-        ``frames_indices`` set to the indices read (their times are ``index / fps``). A clip
-        whose frame rate OpenCV cannot tell has ``fps`` None (the processor then assumes 24,
-        as the reference does, and warns).
-
-    Raises:
-        VideoFileError: unreadable file, indices outside the clip, or no frame could be read.
-        VideoDecoderMissingError: OpenCV is not installed.
-    """
+    """``(frames, metadata)`` of the frames ``sampler`` picks from ``path`` (``file://`` accepted):
+    ``(T, H, W, 3)`` uint8 RGB, and the clip's metadata with ``frames_indices`` the indices read
+    (``fps`` None where OpenCV cannot tell the rate: the processor assumes 24, as the reference)."""
     source = probe(path)
     indices = [int(i) for i in np.asarray(sampler(source)).reshape(-1)]
     if not indices:
@@ -155,12 +131,8 @@ def _strip_scheme(path: str) -> str:
 
 
 class DecodedVideos:
-    """Clips mlx-vlm 0.6.x's ``load_video(path, fps=...)`` decoded without saying which frames it took.
-
-    The shim remembers each result here (weakly, by identity) with its file and requested rate and
-    sets the video processor's ``reread_decoded`` to :meth:`reread`, so the processor reads that
-    file's frames by the reference's rule, with their source positions.
-    """
+    """Clips mlx-vlm 0.6.x's ``load_video(path, fps=...)`` decoded without saying which frames it took,
+    remembered weakly by identity with their file and rate, so the processor re-reads them by the reference's rule."""
 
     def __init__(self, capacity: int = 16):
         self.capacity = capacity
@@ -168,13 +140,8 @@ class DecodedVideos:
         self._lock = threading.Lock()
 
     def remember(self, frames: Any, path: str, fps: float) -> None:
-        """Note that ``frames`` were decoded from ``path`` at the requested ``fps``."""
-        try:
-            ref = weakref.ref(frames)
-        except TypeError:
-            return
-        with self._lock:
-            self._entries[id(frames)] = (ref, path, fps)
+        with self._lock:  # frames: the numpy array load_video returned
+            self._entries[id(frames)] = (weakref.ref(frames), path, fps)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 

@@ -143,16 +143,6 @@ def pixel_rect(box: GridBox, size: Tuple[int, int]) -> Tuple[int, int, int, int]
     return left, top, right, bottom
 
 
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two ``(x1, y1, x2, y2)`` boxes in the same coordinates (grid or
-    pixels); 0 when they do not overlap or their union is empty."""
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def format_number(value: float) -> str:
     """``12.0`` -> ``"12"``, ``12.5`` -> ``"12.5"``, ``76.8125`` -> ``"76.81"`` (two decimals at most)."""
     text = f"{value:.2f}".rstrip("0").rstrip(".")

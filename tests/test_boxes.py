@@ -19,11 +19,11 @@ from compass_data.boxes import (
     draw_boxes,
     find_boxes,
     format_number,
-    iou,
     pixel_rect,
     scan_boxes,
     to_pixels,
 )
+from scripts.toy.scoring import iou
 
 # The old demo picture (a compass rose, 320x240 palette PNG): box pixels differ from grid values.
 ROSE = pathlib.Path(__file__).resolve().parent / "fixtures" / "compass_rose_320x240.png"

@@ -52,23 +52,6 @@ def main_in_process(capsys, *argv):
 # ------------------------------------------------------------------------- generate
 
 
-def test_a_sampling_flag_the_pins_generate_lacks_is_refused(monkeypatch):
-    """mlx-vlm 0.3.x's generate_step has no top_k (its **kwargs would swallow it): one line, flag and pin."""
-    import argparse
-    import importlib
-
-    from compass_compat.cli.common import CliError
-
-    lacks_top_k = lambda model, temperature=0.0, top_p=1.0, **kwargs: None  # noqa: E731
-    monkeypatch.setattr(importlib.import_module("mlx_vlm.generate"), "generate_step", lacks_top_k)
-    with pytest.raises(CliError, match=r"^--top-k: mlx-vlm \S+'s generate has no such option$"):
-        cli.generate._given_sampling(argparse.Namespace(temperature=None, top_p=None, top_k=5))
-    assert cli.generate._given_sampling(argparse.Namespace(temperature=0.5, top_p=0.9, top_k=None)) == {
-        "temperature": 0.5,
-        "top_p": 0.9,
-    }
-
-
 def _generate_samples_by_the_file() -> bool:
     """mlx-vlm 0.7.x's generate fills unset sampling flags from generation_config.json (0.6.12 and older: greedy)."""
     try:

@@ -79,9 +79,9 @@ def refused(name: str) -> bool:
 @pytest.fixture
 def fresh_probes():
     """Probes measure again inside the test and forget what a monkeypatched run measured."""
-    probes.clear_cache()
+    probes.loader_passes_mode.cache_clear()
     yield
-    probes.clear_cache()
+    probes.loader_passes_mode.cache_clear()
 
 
 def dequantize_folder(quantized: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -191,7 +191,7 @@ def test_loader_that_drops_the_mode_is_caught_and_one_that_passes_it_let_through
         validate_checkpoint(quantized)
 
     for fake, want in ((_fake_loader(passes_mode=True), True), (_fake_loader(True, quantizes=False), None)):
-        probes.clear_cache()
+        probes.loader_passes_mode.cache_clear()
         monkeypatch.setattr(mlx_vlm.utils, "load_model", fake)
         probe = probes.loader_passes_mode(mode, group, bits)
         assert probe.ok is want, probe.evidence  # None: never saw quantize, so refuses nothing

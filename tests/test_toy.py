@@ -24,6 +24,8 @@ import pytest
 from PIL import Image
 
 from compass_data import boxes, shapes, shapes_pil, toy
+from scripts.toy import scoring
+from scripts.toy.scoring import box_hit
 from tests.support import mlx_vlm_run
 from tests.support.mlx_vlm_run import load
 from tests.support.quantize import quantize_folder
@@ -45,13 +47,6 @@ Key = Tuple[str, str, int]  # (bucket, renderer, index)
 
 def key_of(entry: dict) -> Key:
     return entry["bucket"], entry["renderer"], entry["index"]
-
-
-def box_hit(answer: str, subject: shapes.Shape, size: Tuple[int, int]) -> bool:
-    """Does the first box in ``answer``, scaled by the box helper to the picture's own width and
-    height, overlap ``subject``'s exact extent with IoU >= 0.5?"""
-    found = boxes.find_boxes(answer)
-    return bool(found) and boxes.iou(boxes.to_pixels(found[0], size), shapes.pixel_box(subject)) >= 0.5
 
 
 def save(example: shapes.Example, path: pathlib.Path) -> pathlib.Path:
@@ -342,7 +337,7 @@ def test_draw_boxes_on_a_wide_picture(toy_folders, tmp_path, capsys):
     rows, cols = stroke.sum(axis=1), stroke.sum(axis=0)
     rows, cols = np.flatnonzero(rows >= 0.6 * rows.max()), np.flatnonzero(cols >= 0.6 * cols.max())
     outline = (cols[0], rows[0], cols[-1] + 1, rows[-1] + 1)
-    assert boxes.iou(outline, shapes.pixel_box(question.subject)) >= 0.5, (outline, question)
+    assert scoring.iou(outline, shapes.pixel_box(question.subject)) >= 0.5, (outline, question)
 
 
 def test_readme_python_snippet_runs(toy_folders, capsys):

@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     default_images = [] if videos else [str(DEMO_IMAGE)]
     images = [] if args.no_image else check_images(args.image or default_images)
     box_output = boxes.check_box_flags(args, images)
-    given = _given_sampling(args)
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
 
     import mlx.core as mx
     from mlx_vlm import stream_generate
@@ -134,22 +134,6 @@ def main(args: argparse.Namespace) -> int:
             for line in lines:
                 log(line)
     return 0
-
-
-def _given_sampling(args: argparse.Namespace) -> Dict[str, float]:
-    """The sampling flags given, for stream_generate as they are; one the pin's generate lacks is refused."""
-    import importlib
-    import inspect
-
-    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    if given:
-        # mlx-vlm 0.3.x has no top_k, and generate_step's **kwargs would swallow it silently.
-        params = inspect.signature(importlib.import_module("mlx_vlm.generate").generate_step).parameters
-        missing = [name for name in given if name not in params]
-        if missing:
-            flags = ", ".join("--" + name.replace("_", "-") for name in missing)
-            raise CliError(f"{flags}: mlx-vlm {implementation_info().mlx_vlm_version}'s generate has no such option")
-    return given
 
 
 def _load(model_ref: str, adapter: Optional[str] = None):

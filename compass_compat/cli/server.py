@@ -9,12 +9,11 @@ import logging
 import os
 import signal
 import sys
-from types import ModuleType
 from typing import Callable, List, NoReturn
 
 from .. import implementation_info
 from ..startup import ENV as AUTOPATCH_ENV
-from .common import PROG, CliError, flag_value, log
+from .common import PROG, flag_value, log
 from .inputs import resolve_model
 
 
@@ -54,7 +53,7 @@ def main(argv: List[str]) -> int:
         if is_default:
             rest = ["--model", ref, *rest]
             log(f"serving the default checkpoint {ref} (a toy: pass --model for a real one)")
-    module = _server_module()
+    module = importlib.import_module("mlx_vlm.server")  # fastapi and uvicorn are mlx-vlm's dependencies
     if args.help:
         parser().print_help()
         print(f"\nEverything else goes to mlx-vlm {implementation_info().mlx_vlm_version}'s server:\n", flush=True)
@@ -91,14 +90,3 @@ def _exit_after(serve: Callable[[], None]) -> NoReturn:
 
 def _exit_zero(signum: int, frame: object) -> None:
     raise SystemExit(0)
-
-
-def _server_module() -> ModuleType:
-    try:
-        return importlib.import_module("mlx_vlm.server")
-    except ModuleNotFoundError as err:
-        info = implementation_info()
-        raise CliError(
-            f"mlx-vlm {info.mlx_vlm_version} has no usable server (import mlx_vlm.server failed: {err}); "
-            "mlx-vlm's server needs fastapi and uvicorn"
-        ) from err

@@ -58,12 +58,10 @@ def checked_videos(args: argparse.Namespace) -> List[str]:
 
 
 def processor_errors(processor) -> Tuple[type, ...]:
-    """The processor module's input errors (video and image input it cannot take): reported
-    as one-line CLI errors instead of tracebacks."""
-    module = sys.modules.get(type(processor).__module__)
-    names = ("VideoInputError", "VideoNotSupportedError")
-    found = [getattr(module, name, None) for name in names]
-    return tuple(e for e in found if isinstance(e, type) and issubclass(e, Exception))
+    """The live processor module's VideoInputError (the vendored one has it), reported as a
+    one-line CLI error instead of a traceback."""
+    error = getattr(sys.modules.get(type(processor).__module__), "VideoInputError", None)
+    return (error,) if isinstance(error, type) and issubclass(error, Exception) else ()
 
 
 def video_inputs(

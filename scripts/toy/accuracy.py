@@ -30,7 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from PIL import Image
 
-    from compass_data import boxes, shapes, toy
+    from compass_data import shapes, toy
+    from scripts.toy.scoring import box_hit
     from tests.support import mlx_vlm_run
     from tests.support.quantize import quantize_folder
 
@@ -53,15 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for kind, q in example.questions.items():
                     ids = mlx_vlm_run.answer_ids(folder, q.prompt, path, reference["max_new_tokens"])
                     text = processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
-                    if kind == "where":
-                        found = boxes.find_boxes(text)
-                        hit = (
-                            bool(found)
-                            and boxes.iou(boxes.to_pixels(found[0], example.scene.size), shapes.pixel_box(q.subject))
-                            >= 0.5
-                        )
-                    else:
-                        hit = text == q.answer
+                    hit = box_hit(text, q.subject, example.scene.size) if kind == "where" else text == q.answer
                     table.setdefault(precision, {}).setdefault(f"{bucket} {renderer}", {}).setdefault(kind, []).append(
                         hit
                     )

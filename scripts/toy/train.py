@@ -47,7 +47,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from compass_data import boxes, shapes, toy
+from compass_data import shapes, toy
+from scripts.toy import scoring
 from tests.support import reference as _reference
 from tests.support.toy_reference import MAX_NEW_TOKENS, Reference, decode, greedy
 
@@ -240,8 +241,7 @@ def train_vision(model, ref: Reference, heads: AuxHeads, steps: int, seed) -> li
 def box_hit(text: str, question, size) -> bool:
     """Does the first box in ``text``, scaled to the picture's own width and height, overlap the
     named shape's exact extent with IoU >= 0.5?"""
-    found = boxes.find_boxes(text)
-    return bool(found) and boxes.iou(boxes.to_pixels(found[0], tuple(size)), shapes.pixel_box(question.subject)) >= 0.5
+    return scoring.box_hit(text, question.subject, size)
 
 
 def score(answers: List[tuple]) -> dict:
