@@ -11,7 +11,7 @@
 #   afresh and rewrites those records.
 # - Runs `python -m pytest tests -q` in each env from the repo root as soon as it is ready,
 #   MATRIX_JOBS runs at a time (default: the number of cores, at most 2; the suites are
-#   single-threaded Python mostly), newest pin first. junit XML and the full log of each run go
+#   single-threaded Python mostly), the longest first (below). junit XML and the full log of each run go
 #   to build/matrix/<run>.{xml,log}; each run's own time is in the table.
 # - An environment whose mlx-vlm ships its own cohere_compass (0.6.13+, i.e. 0.7.10-notorch here)
 #   runs twice: "<env>" as users get it (the recorded verdicts choose: the vendored package on
@@ -37,10 +37,12 @@ cores=$(nproc 2>/dev/null || echo 1)
 jobs="${MATRIX_JOBS:-$(( cores < 2 ? cores : 2 ))}"
 env_jobs="${MATRIX_ENV_JOBS:-3}"
 
-# Newest pin first: newer pins skip fewer tests, so the longest runs start first and the short
-# ones fill the end.
+# Longest runs first, the short ones fill the end: each pin's full run, newest first (newer pins
+# skip fewer tests), then the +upstream runs (the vendored package's tests skip there) and the
+# reference environment's `-m reference` run. Environments are built in that order too.
 order=()
-for (( i = ${#pins[@]} - 1; i >= 0; i-- )); do order+=("${pins[i]}"); done
+for (( i = ${#pins[@]} - 1; i >= 0; i-- )); do env_has_torch "${pins[i]}" || order+=("${pins[i]}"); done
+for pin in "${pins[@]}"; do env_has_torch "$pin" && order+=("$pin"); done
 rm -f "$out"/env-*.rc
 
 # ---- environments, in the background, $env_jobs at a time; each leaves env-<pin>.rc when done
@@ -59,12 +61,16 @@ env_start=$(date +%s)
 ) &
 envs_pid=$!
 
-# Waits for pin's environment; 0 when it was built, else records the failure.
+# Waits for pin's environment; 0 when it was built, else records the failure (said once per pin).
+declare -A said=()
 env_ready() {
   local pin="$1"
   while [ ! -f "$out/env-$pin.rc" ]; do sleep 1; done
+  [ -n "${said[$pin]:-}" ] && return "${said[$pin]}"
+  said[$pin]=1
   if [ "$(cat "$out/env-$pin.rc")" = 0 ]; then
     echo "$(grep '^\[envs\]' "$out/env-$pin.log" | tail -n 1) (ready after $(cat "$out/env-$pin.seconds")s)"
+    said[$pin]=0
     return 0
   fi
   echo "[matrix] $pin: environment could not be built; last lines of $out/env-$pin.log:"
@@ -107,24 +113,27 @@ run_one() {
   echo "$label|$version|$tf|$passed|$failed|$skipped|$seconds|$status" >"$out/$label.row"
 }
 
-# ---- runs, $jobs at a time, each as soon as its environment is ready. An environment whose
-# mlx-vlm ships cohere_compass also gets the run with upstream's package live, first (not the
-# reference environment: its tests do not depend on which cohere_compass is live).
+# ---- runs, $jobs at a time, each as soon as its environment is ready: every pin's own run in
+# `order`, then for each environment whose mlx-vlm ships cohere_compass the run with upstream's
+# package live (not the reference environment: its tests do not depend on which is live), then
+# the reference run.
 run_pids=()
 running() { local n=0 pid; for pid in "${run_pids[@]}"; do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done; echo $n; }
-for pin in "${order[@]}"; do
+queue=()
+for pin in "${order[@]}"; do env_has_torch "$pin" || queue+=("$pin|auto"); done
+for pin in "${order[@]}"; do env_has_torch "$pin" || queue+=("$pin|upstream"); done
+for pin in "${order[@]}"; do env_has_torch "$pin" && queue+=("$pin|auto"); done
+for run in "${queue[@]}"; do
+  pin="${run%|*}"; switch="${run#*|}"; label="$pin"
   env_ready "$pin" || continue
-  labels=("$pin|auto")
-  if ! env_has_torch "$pin" && compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null; then
-    labels=("$pin+upstream|upstream" "$pin|auto")
+  if [ "$switch" = upstream ]; then
+    compgen -G "$(env_dir "$pin")/lib/python*/site-packages/mlx_vlm/models/cohere_compass/__init__.py" >/dev/null || continue
+    label="$pin+upstream"
   fi
-  for run in "${labels[@]}"; do
-    label="${run%|*}"; switch="${run#*|}"
-    while [ "$(running)" -ge "$jobs" ]; do sleep 1; done
-    echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_IMPLEMENTATION=$switch)"
-    run_one "$label" "$pin" "$switch" &
-    run_pids+=($!)
-  done
+  while [ "$(running)" -ge "$jobs" ]; do sleep 1; done
+  echo "[matrix] $label: python -m pytest tests -q (COMPASS_COMPAT_IMPLEMENTATION=$switch)"
+  run_one "$label" "$pin" "$switch" &
+  run_pids+=($!)
 done
 wait
 
