@@ -50,7 +50,7 @@ def _has_reference() -> bool:
 
 needs_reference = pytest.mark.skipif(
     not _has_reference(),
-    reason="the live reference is transformers >= 5.21 (the 0.6.12 / 0.7.10 envs); this env compares "
+    reason="the live reference is transformers >= 5.21 (the 0.7.10 env); this env compares "
     "with tests/fixtures/pixel_bounds.json (recorded from transformers 5.24) instead",
 )
 
@@ -149,8 +149,9 @@ def test_sources_name_the_deciding_file(folders):
     assert (called.min_source, called.max_source) == ("call min_pixels", "from_pretrained max_pixels")
 
 
-@needs_reference
 @pytest.mark.parametrize("case", list(rec.CASES))
+@pytest.mark.reference  # once, in the reference environment: every pin compares with the fixture above
+@needs_reference
 def test_processor_matches_the_live_reference(case, folders, images):
     warnings.simplefilter("ignore", FutureWarning)
     folder_name, load_kwargs, call_kwargs = rec.CASES[case]
@@ -166,6 +167,7 @@ def test_processor_matches_the_live_reference(case, folders, images):
         assert_matches_summary(want, FIXTURE["cases"][case]["images"][name], f"fixture {case} {name}")
 
 
+@pytest.mark.reference
 @needs_reference
 @pytest.mark.parametrize("case", list(rec.LENIENT))
 def test_lenient_cases_where_the_reference_raises(case, folders, images):
