@@ -13,27 +13,23 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-import mlx_vlm
 import pytest
 
 from compass_compat import verdicts as record
 from tests.support import checklist
 from tests.support.defects import DEFECTS, ENV
-from tests.support.vendored import switch_from_env
+from tests.support.vendored import NEWEST_PIN, PINS, newest_pin_default_run
 
 REPO = Path(__file__).resolve().parents[1]
-ENVS = re.search(r"ALL_ENVS=\(([^)]*)\)", (REPO / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
-NEWEST_PIN = ENVS[-1].split("-")[0]
 
 
 def test_the_record_covers_every_item_of_every_pin():
     releases = record.load()["releases"]
-    missing = {env.split("-")[0] for env in ENVS} - set(releases)  # an environment is "<version>[-<tag>]"
+    missing = {env.split("-")[0] for env in PINS} - set(releases)  # an environment is "<version>[-<tag>]"
     assert not missing, (
         f"compass_compat/verdicts.json must record every mlx-vlm version of scripts/env/pins.sh: {missing}"
     )
@@ -113,7 +109,7 @@ def measured(tmp_path: Path, defect: str, selection: str) -> dict:
 
 
 @pytest.mark.skipif(
-    str(mlx_vlm.__version__) != NEWEST_PIN or switch_from_env() == "upstream",
+    not newest_pin_default_run(),
     reason=f"runs in the default run of mlx-vlm {NEWEST_PIN}, the newest pin: the vendored code it breaks is "
     "the same on every pin",
 )

@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -43,6 +44,18 @@ default_run_only = pytest.mark.skipif(
     reason="the switch COMPASS_COMPAT_IMPLEMENTATION cannot change this test; it runs in this pin's "
     "default run of the matrix",
 )
+
+
+PINS = (
+    re.search(r"ALL_ENVS=\(([^)]*)\)", (RECORD.parents[1] / "scripts" / "env" / "pins.sh").read_text()).group(1).split()
+)
+NEWEST_PIN = PINS[-1].split("-")[0]  # an environment is "<mlx-vlm version>[-<tag>]"
+
+
+def newest_pin_default_run() -> bool:
+    """Whether this is the default run of the newest pin of the matrix (scripts/env/pins.sh), where a
+    check that is the same on every pin runs in full once."""
+    return importlib.metadata.version("mlx-vlm") == NEWEST_PIN and switch_from_env() != "upstream"
 
 
 def expected_live(switch: Optional[str] = None) -> str:
