@@ -1,31 +1,23 @@
-"""The host end-to-end driver: requests, reference answers, prompt check, server, probe, table.
+"""The host end-to-end driver. A host script (scripts/hosts/<host>/e2e.py) describes its host as a
+:class:`Host` and calls :func:`main`, which:
 
-A host script (scripts/hosts/<host>/e2e.py) describes its host as a :class:`Host` (how to
-start its server, what a request body looks like there, which phases and requests to run, an
-optional in-process prompt check) and calls :func:`main`. The run:
+1. copies the default checkpoint (as `python -m compass_compat generate` finds it) to OUT/models;
+2. answers every distinct request with one `python -m compass_compat generate --temperature 0`
+   process each (fresh processes: nothing carries over between requests);
+3. runs the host's in-process prompt check where it has one (what the host's prompt pipeline hands
+   mlx-vlm against what the CLI hands it); a request whose inputs differ fails;
+4. for every phase starts the host's server with the opt-in alone (COMPASS_COMPAT_AUTOPATCH=1: the
+   recorded verdicts decide which cohere_compass is live) and the probe (scripts/hosts/common/probe)
+   on its PYTHONPATH, sends the phase's requests (greedy; the sequential ones in order, then the
+   concurrent group at once) and always stops the server; unless the probe saw the vendored package
+   live inside the host, every request of the phase fails;
+5. prints `host | request | expected | got | equal`, writes OUT/results.json and OUT/table.md and
+   exits 1 on any difference (2 when compass-compat is not importable).
 
-1. copies the default checkpoint (compass_data.toy.ensure_default_checkpoint, as
-   `python -m compass_compat generate` finds it) to OUT/models/toy-shapes-v5;
-2. computes the expected answer of every distinct request with one
-   `python -m compass_compat generate --temperature 0` process each (fresh processes: nothing
-   carries over between requests);
-3. where the host has one, runs its prompt check in this process (what the host's own prompt
-   pipeline hands mlx-vlm against what the CLI hands it); a request whose inputs differ fails;
-4. for every phase, starts the host's server on 127.0.0.1 with the documented opt-in
-   (COMPASS_COMPAT_AUTOPATCH=1, no other flag: where the installed mlx-vlm ships its own
-   cohere_compass the recorded verdicts make the vendored one live) and the probe (scripts/hosts/common/probe) on its
-   PYTHONPATH, sends the phase's requests (greedy, fixed max_tokens; sequential ones in order,
-   then the concurrent group at once), and always stops the server;
-5. reads the probe's report from inside the host's processes: the vendored package must be
-   the live one (compass_compat.implementation_info()), or every request of the phase fails;
-6. prints `host | request | expected | got | equal`, writes OUT/results.json and
-   OUT/table.md, and exits 1 on any difference (2 when the environment is not usable).
-
-`--source DIR` runs another checkout's compass_compat/compass_data/vendor (DIR goes first on
-PYTHONPATH of the reference processes and the server), e.g. /work/main after a fix; the
-probe records which compass_compat the host imported; `--git-rev REV` runs REV's, exported
-with `git archive` to OUT/src-<sha>. Host executables start as `python <console script>` of this
-interpreter: a moved environment keeps its scripts' old `#!` lines.
+`--source DIR` runs another checkout's packages (DIR first on PYTHONPATH of the reference processes
+and the server); `--git-rev REV` runs REV's, exported with `git archive` to OUT/src-<sha>. Host
+executables start as `python <console script>` of this interpreter: a moved environment keeps its
+scripts' old `#!` lines.
 """
 
 from __future__ import annotations
@@ -48,23 +40,22 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from tests.support.server import Process, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:  # run as a file: the host scripts import scripts.hosts.common.e2e
-    sys.path.insert(0, str(ROOT))
-
-from tests.support.server import Process, free_port  # noqa: E402
-
 FIXTURES = ROOT / "tests" / "fixtures" / "images"
 PROBE_DIR = Path(__file__).resolve().parent / "probe"
 MODEL_ID = "toy-shapes-v5"  # compass_data.toy.DEFAULT_CHECKPOINT; checked in prepare_model_dir
 AUTOPATCH = "COMPASS_COMPAT_AUTOPATCH"
-FORCE = "COMPASS_COMPAT_FORCE_VENDORED"
+# No switch leaks in from the caller: the host runs as a user starts it, with the opt-in only.
+SWITCHES = (AUTOPATCH, "COMPASS_COMPAT_FORCE_VENDORED", "COMPASS_COMPAT_IMPLEMENTATION", "COMPASS_COMPAT_MLX_LM")
 SOURCES = ("compass_compat", "compass_data", "vendor")  # what --git-rev exports
+TIMEOUT = 300.0  # seconds for a server to come up, for a request, for a reference answer
+WIDTH = 40  # table column width for texts
 
 
-# --------------------------------------------------------------------------- requests
 @dataclass
 class Case:
     """One chat request: a single user turn, image parts first, then video parts, then one text part."""
@@ -74,7 +65,7 @@ class Case:
     text: str
     what: str
     stream: bool = False
-    group: str = "sequential"  # "sequential" or "concurrent"
+    group: str = "sequential"  # or "concurrent"
     # Sent as video_url parts to a host documented to drop them: the reference is the request without them.
     dropped_videos: List[str] = field(default_factory=list)
 
@@ -84,12 +75,11 @@ class Case:
 
 @dataclass
 class Phase:
-    """One server start: extra arguments/environment and the requests sent to it."""
+    """One server start: its extra arguments and the requests sent to it."""
 
     name: str
     cases: List[Case]
     args: List[str] = field(default_factory=list)
-    env: Dict[str, str] = field(default_factory=dict)
     note: str = ""
 
 
@@ -102,7 +92,7 @@ class Host:
     distributions: List[str]  # reported versions
     command: Callable[[Path, int], List[str]]  # (model dir, port) -> argv
     # Built after --source is on sys.path: the request set names files of the package it tests.
-    phases: Callable[[], List[Phase]]
+    phases: Callable[[], List[Phase]] = list
     ready_path: str = "/v1/models"  # GET path that answers 200 once the model is loaded
     ready_check: Optional[Callable[[Any], Optional[str]]] = None  # JSON -> error or None (default: lists_model)
     headers: Dict[str, str] = field(default_factory=dict)
@@ -112,7 +102,7 @@ class Host:
     trimmed_ok: bool = False  # the host strips surrounding whitespace of non-streamed replies
     log_notes: Optional[Callable[[str], List[str]]] = None  # server log segment -> notes per request
     # (model dir, distinct cases, max_tokens) -> per case name {"ok", "diffs", "prompt_tokens"} or {"error"}
-    prompt_check: Optional[Callable[[Path, List["Case"], int], Dict[str, Dict[str, Any]]]] = None
+    prompt_check: Optional[Callable[[Path, List[Case], int], Dict[str, Dict[str, Any]]]] = None
 
 
 @dataclass
@@ -120,9 +110,9 @@ class Result:
     phase: str
     name: str
     what: str
+    equal: str = "NO"
     expected: Optional[str] = None
     got: Optional[str] = None
-    equal: str = "NO"
     error: Optional[str] = None
     finish_reason: Optional[str] = None
     prompt_tokens_host: Optional[int] = None
@@ -132,15 +122,27 @@ class Result:
     notes: List[str] = field(default_factory=list)
 
 
-def demo_image() -> str:
-    from compass_compat.cli.generate import DEMO_IMAGE
+@dataclass
+class Run:
+    """What every host run sets up before its first server: options, folders, environment, checkpoint."""
 
-    return str(DEMO_IMAGE)
+    host: Host
+    max_tokens: int
+    out: Path
+    env: Dict[str, str]  # of the reference processes and the servers
+    vendor_dir: Path
+    versions: Dict[str, str]
+    upstream_ships: bool
+    revision: str
+    model_dir: Path
+    started: float = field(default_factory=time.monotonic)
 
 
 def standard_cases() -> List[Case]:
     """The request set every host gets (oMLX: less g and h, plus its video request)."""
-    demo = demo_image()
+    from compass_compat.cli.generate import DEMO_IMAGE
+
+    demo = str(DEMO_IMAGE)
     return [
         Case("a", [demo], "Describe this picture.", "image + text"),
         Case("b", [], "Say hello.", "text only"),
@@ -178,20 +180,6 @@ def standard_cases() -> List[Case]:
     ]
 
 
-def long_text(words: int = 1250) -> str:
-    """A long text prompt: about 2180 tokens on the toy's tokenizer, past a 2048-token prefill step and the 640-token window."""
-    base = (
-        "The sea was calm and the wind was low, and the sky over the harbour turned from blue to "
-        "grey as the boats came home one by one. "
-    )
-    out, n = [], 0
-    while n < words:
-        out.append(base)
-        n += len(base.split())
-    return "".join(out) + "What did the boats do?"
-
-
-# --------------------------------------------------------------------------- helpers
 def log(host: str, msg: str) -> None:
     print(f"[{host}-e2e] {msg}", flush=True)
 
@@ -202,7 +190,7 @@ def console_script(name: str) -> List[str]:
 
 
 def lists_model(reply: Any) -> Optional[str]:
-    """A ready_check: None once /v1/models lists MODEL_ID."""
+    """The default ready_check: None once /v1/models lists MODEL_ID."""
     ids = [m.get("id") for m in (reply.get("data") or [])]
     return None if MODEL_ID in ids else f"/v1/models lists {ids}"
 
@@ -253,18 +241,17 @@ def versions(names: List[str]) -> Dict[str, str]:
     return out
 
 
-def upstream_ships_package() -> bool:
-    """Whether the installed mlx-vlm has its own cohere_compass (then the vendored one is forced)."""
-    from compass_compat import implementation_info
-
-    return bool(implementation_info().upstream_available)
-
-
 def data_uri(path: str, _cache: Dict[str, str] = {}) -> str:  # noqa: B006  (a deliberate memo)
     if path not in _cache:
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         _cache[path] = f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
     return _cache[path]
+
+
+def chat_body(model: str, content: Any, max_tokens: int, stream: bool = False) -> Dict[str, Any]:
+    """A greedy /v1/chat/completions body: one user turn."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    return dict(body, temperature=0, stream=stream)
 
 
 def openai_body(case: Case, max_tokens: int, stream: bool) -> Dict[str, Any]:
@@ -273,39 +260,70 @@ def openai_body(case: Case, max_tokens: int, stream: bool) -> Dict[str, Any]:
         content = [{"type": "image_url", "image_url": {"url": data_uri(p)}} for p in case.images]
         content += [{"type": "video_url", "video_url": {"url": data_uri(p)}} for p in case.dropped_videos]
         content.append({"type": "text", "text": case.text})
-    body: Dict[str, Any] = {
-        "model": MODEL_ID,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-    }
+    body = chat_body(MODEL_ID, content, max_tokens, stream)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-# --------------------------------------------------------------------------- checkpoint, reference
-def prepare_model_dir(out: Path) -> Path:
-    from compass_data.toy import ensure_default_checkpoint
+# --------------------------------------------------------------------------- setup, reference
+def setup(host: Host, argv: Optional[List[str]]) -> Optional[Run]:
+    """Parse the options, import compass-compat (from --source / --git-rev first), copy the checkpoint.
+    None when compass-compat is not importable here."""
+    ap = argparse.ArgumentParser(description=f"{host.label} end to end (scripts/hosts/common/e2e.py)")
+    ap.add_argument("--max-tokens", type=int, default=12, help="for every request (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "hosts" / host.name, help="work folder")
+    ap.add_argument("--source", type=Path, help="checkout whose compass_compat/vendor to run (first on PYTHONPATH)")
+    ap.add_argument(
+        "--git-rev", help="run compass-compat as committed at this revision (e.g. HEAD): --source of its export"
+    )
+    args = ap.parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    source = export_rev(args.git_rev, out) if args.git_rev else args.source.resolve() if args.source else None
+    if source is not None:
+        sys.path.insert(0, str(source))
+    try:
+        import compass_compat
+        from compass_compat.vendor import vendor_root
+        from compass_data.toy import ensure_default_checkpoint
+    except ImportError as err:
+        print(
+            f"{host.name} e2e: compass-compat is not importable here ({err}); use the host environment", file=sys.stderr
+        )
+        return None
 
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # run_phase stops the server on the way out
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(source), *filter(None, [env.get("PYTHONPATH")])])
     src = ensure_default_checkpoint()
     if src.name != MODEL_ID:
         raise RuntimeError(f"the default checkpoint is now {src.name!r}: set MODEL_ID to it")
-    dst = out / "models" / MODEL_ID
-    shutil.rmtree(dst.parent, ignore_errors=True)
-    shutil.copytree(src, dst)
-    return dst
-
-
-def source_env(source: Optional[Path], extra: Dict[str, str]) -> Dict[str, str]:
-    # No switch leaks in from the caller: the host runs as a user starts it, with the opt-in only.
-    drop = (AUTOPATCH, "COMPASS_HOST_PROBE_DIR", FORCE, "COMPASS_COMPAT_IMPLEMENTATION")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(extra)
-    if source is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(source), *filter(None, [env.get("PYTHONPATH")])])
-    return env
+    model_dir = out / "models" / MODEL_ID
+    shutil.rmtree(model_dir.parent, ignore_errors=True)
+    shutil.copytree(src, model_dir)
+    package = Path(compass_compat.__file__).resolve().parent
+    run = Run(
+        host=host,
+        max_tokens=args.max_tokens,
+        out=out,
+        env=env,
+        vendor_dir=vendor_root().resolve(),
+        versions=versions(host.distributions),
+        upstream_ships=bool(compass_compat.implementation_info().upstream_available),
+        revision=git_revision(package.parent),
+        model_dir=model_dir,
+    )
+    log(host.name, "versions: " + ", ".join(f"{k} {v}" for k, v in run.versions.items()))
+    log(host.name, f"compass_compat from {package} ({run.revision}); vendored tree {run.vendor_dir}")
+    log(host.name, f"mlx-vlm ships cohere_compass: {run.upstream_ships} (no flag set: the recorded verdicts decide)")
+    log(host.name, f"checkpoint {model_dir}")
+    return run
 
 
 def generate_argv(model_dir: Path, case: Case, max_tokens: int) -> List[str]:
@@ -316,53 +334,60 @@ def generate_argv(model_dir: Path, case: Case, max_tokens: int) -> List[str]:
     return argv + ["--prompt", case.text]
 
 
-def expected_text(
-    model_dir: Path, case: Case, max_tokens: int, env: Dict[str, str]
-) -> Tuple[Optional[str], Optional[str]]:
-    """(text, error) from one `python -m compass_compat generate` process.
+def distinct(cases: List[Case]) -> Dict[Tuple, Case]:
+    """The first case of every distinct request, by key, in order."""
+    out: Dict[Tuple, Case] = {}
+    for c in cases:
+        out.setdefault(c.key(), c)
+    return out
 
-    It runs in the checkpoint's folder: `python -m` puts the working folder first on sys.path,
+
+def references(run: Run, cases: List[Case]) -> Dict[Tuple, Tuple[Optional[str], Optional[str]]]:
+    """Per distinct case key, (text, error) from one `python -m compass_compat generate` process.
+
+    They run in the checkpoint's folder: `python -m` puts the working folder first on sys.path,
     and the checkout's root there would shadow a --source checkout.
     """
-    argv = [sys.executable, "-m", "compass_compat", *generate_argv(model_dir, case, max_tokens)]
-    try:
-        proc = subprocess.run(argv, capture_output=True, env=env, timeout=300, cwd=str(model_dir.parent))
-    except subprocess.TimeoutExpired:
-        return None, "generate timed out after 300 s"
-    if proc.returncode != 0:
-        tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
-        return None, f"generate exited {proc.returncode}: {' | '.join(tail)}"
-    text = proc.stdout.decode("utf-8")
-    return (text[:-1] if text.endswith("\n") else text), None  # the CLI ends with one print()
+
+    def answer(case: Case) -> Tuple[Optional[str], Optional[str]]:
+        argv = [sys.executable, "-m", "compass_compat", *generate_argv(run.model_dir, case, run.max_tokens)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, env=run.env, timeout=TIMEOUT, cwd=str(run.out / "models"))
+        except subprocess.TimeoutExpired:
+            return None, f"generate timed out after {TIMEOUT:.0f} s"
+        if proc.returncode != 0:
+            tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+            return None, f"generate exited {proc.returncode}: {' | '.join(tail)}"
+        text = proc.stdout.decode("utf-8")
+        return (text[:-1] if text.endswith("\n") else text), None  # the CLI ends with one print()
+
+    unique = distinct(cases)
+    with ThreadPoolExecutor(2) as pool:  # two at a time: the machine is small
+        return dict(zip(unique, pool.map(answer, unique.values())))
 
 
 # --------------------------------------------------------------------------- server
-def http_get_json(url: str, headers: Dict[str, str], timeout: float) -> Any:
-    req = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.load(resp)
-
-
-def wait_ready(host: Host, server: Process, base_url: str, timeout: float) -> float:
+def wait_ready(host: Host, server: Process, base_url: str) -> float:
     start = time.monotonic()
     last = ""
-    while time.monotonic() - start < timeout:
+    while time.monotonic() - start < TIMEOUT:
         if not server.alive():
             raise RuntimeError(f"the server exited with {server.proc.returncode} before it was ready")
         try:
-            reply = http_get_json(base_url + host.ready_path, host.headers, 3)
-            problem = (host.ready_check or lists_model)(reply)
+            req = urllib.request.Request(base_url + host.ready_path, headers=host.headers)
+            with urllib.request.urlopen(req, timeout=3) as resp:
+                problem = (host.ready_check or lists_model)(json.load(resp))
             if problem is None:
                 return time.monotonic() - start
             last = problem
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
             last = f"{type(err).__name__}: {err}"
         time.sleep(1.0)
-    raise TimeoutError(f"the server was not ready after {timeout:.0f} s ({last})")
+    raise TimeoutError(f"the server was not ready after {TIMEOUT:.0f} s ({last})")
 
 
-def post_chat(base_url: str, body: Dict[str, Any], headers: Dict[str, str], timeout: float) -> Dict[str, Any]:
-    """One /v1/chat/completions call; returns text, finish_reason, prompt_tokens, error."""
+def post_chat(base_url: str, body: Dict[str, Any], headers: Dict[str, str]) -> Dict[str, Any]:
+    """One /v1/chat/completions call; returns text, finish_reason, prompt_tokens, cached_tokens, error."""
     req = urllib.request.Request(
         base_url + "/v1/chat/completions",
         data=json.dumps(body).encode("utf-8"),
@@ -371,13 +396,14 @@ def post_chat(base_url: str, body: Dict[str, Any], headers: Dict[str, str], time
     )
     out: Dict[str, Any] = {"text": None, "finish_reason": None, "prompt_tokens": None, "error": None}
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
             if not body.get("stream"):
                 reply = json.loads(resp.read())
-                choice = reply["choices"][0]
+                choice, usage = reply["choices"][0], reply.get("usage") or {}
                 out["text"] = choice["message"].get("content") or ""
                 out["finish_reason"] = choice.get("finish_reason")
-                out["prompt_tokens"] = (reply.get("usage") or {}).get("prompt_tokens")
+                out["prompt_tokens"] = usage.get("prompt_tokens")
+                out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 return out
             parts: List[str] = []
             errors: List[str] = []
@@ -428,6 +454,58 @@ def server_errors(segment: str) -> List[str]:
     return [ln[:300] for ln in raised + logged][:3]
 
 
+def run_phase(
+    run: Run,
+    name: str,
+    steps: Callable[[Process, str], None],
+    args: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+    opted_in: bool = True,
+) -> Dict[str, Any]:
+    """Start the host's server for one phase (the opt-in unless ``opted_in`` is False, the probe on
+    its PYTHONPATH), run ``steps(server, base_url)``, always stop it. Returns the phase's record:
+    its command, "aborted" (why the requests did not all go out), the probe's verdict, the vision work."""
+    host, port, extra = run.host, free_port(), {**run.host.env, **(env or {})}
+    probe_dir = run.out / f"probe-{name}"
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    probe_dir.mkdir(parents=True)
+    penv = dict(run.env, **extra, COMPASS_HOST_PROBE_DIR=str(probe_dir))
+    if opted_in:
+        penv[AUTOPATCH] = "1"
+    penv["PYTHONPATH"] = os.pathsep.join([*filter(None, [penv.get("PYTHONPATH")]), str(PROBE_DIR)])
+    argv = host.command(run.model_dir, port) + list(args)
+    # A throw-away key is still not worth printing; paths relative to the checkout.
+    shown = [f"{k}={'<random>' if k.endswith('_KEY') else v}" for k, v in extra.items()]
+    command = " ".join([f"{AUTOPATCH}=1"] * opted_in + shown + argv).replace(str(ROOT) + "/", "")
+    log(host.name, f"phase {name}: {command}")
+    info: Dict[str, Any] = {"command": command}
+    server: Optional[Process] = None
+    try:
+        server = Process(argv, run.out / f"serve-{name}.log", penv, run.out)
+        base_url = f"http://127.0.0.1:{port}"
+        info["ready_seconds"] = round(wait_ready(host, server, base_url), 1)
+        log(host.name, f"ready after {info['ready_seconds']} s on {base_url}")
+        steps(server, base_url)
+        if not server.alive():
+            log(host.name, f"the server died (exit {server.proc.returncode}); see {server.log_path}")
+            info["aborted"] = "server is gone"
+    except (KeyboardInterrupt, TimeoutError, RuntimeError) as err:
+        log(host.name, f"phase {name} aborted: {type(err).__name__}: {err}")
+        info["aborted"] = f"not sent ({type(err).__name__}: {err})"
+    finally:
+        if server is not None:
+            info["server_exit"] = server.stop()
+            log(host.name, f"server stopped (exit {info['server_exit']}); log: {server.log_path}")
+    ok, verdict, records = read_probes(probe_dir, run.vendor_dir)
+    info.update(probe_ok=ok, probe=verdict, probe_records=records)
+    log(host.name, f"probe ({name}): {verdict}")
+    caches = vision_caches(probe_dir)
+    if caches:
+        info["vision_cache"] = caches
+        log(host.name, f"vision cache ({name}): {caches}")
+    return info
+
+
 # --------------------------------------------------------------------------- probe
 def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict[str, Any]]]:
     """(ok, one-line verdict, records): is the vendored package the live one in the host?"""
@@ -443,12 +521,9 @@ def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict
     for r in records:
         info = r.get("info") or {}
         live = Path(r.get("live_file") or "/nonexistent").resolve()
-        inside = vendor_dir in live.parents
-        if r.get("error") or info.get("implementation") != "vendored" or not inside:
-            bad.append(
-                f"pid {r['pid']}: {info.get('implementation', r.get('error'))} from {r.get('live_file')} "
-                f"({info.get('reason')})"
-            )
+        if r.get("error") or info.get("implementation") != "vendored" or vendor_dir not in live.parents:
+            what = info.get("implementation", r.get("error"))
+            bad.append(f"pid {r['pid']}: {what} from {r.get('live_file')} ({info.get('reason')})")
     if bad:
         return False, "NOT the vendored package: " + "; ".join(bad), records
     pids = ", ".join(str(r["pid"]) for r in records)
@@ -456,11 +531,8 @@ def read_probes(probe_dir: Path, vendor_dir: Path) -> Tuple[bool, str, List[Dict
 
 
 def vision_caches(probe_dir: Path) -> str:
-    """What the host processes' vision work came to ("" if none): tower runs, cache traffic, entries at exit.
-
-    Tower runs are calls of the live Model.encode_image (grids of the pictures encoded); cache
-    traffic is every mlx-vlm VisionFeatureCache.get (hit / miss) and put, counted by the probe.
-    """
+    """The host processes' vision work ("" if none): tower runs (calls of the live Model.encode_image,
+    with the pictures' grids), VisionFeatureCache gets (hit / miss) and puts, entries at exit."""
     parts = []
     records: Dict[str, Dict[str, Any]] = {}
     for kind in ("vision", "exit"):  # the exit record (when written) is the later one
@@ -488,12 +560,12 @@ def vision_caches(probe_dir: Path) -> str:
     return "; ".join(parts)
 
 
-# --------------------------------------------------------------------------- table
-def show(text: Optional[str], width: int) -> str:
+# --------------------------------------------------------------------------- table, report
+def show(text: Optional[str]) -> str:
     if text is None:
         return "-"
     s = json.dumps(text, ensure_ascii=False)[1:-1]
-    return s if len(s) <= width else s[: width - 3] + "..."
+    return s if len(s) <= WIDTH else s[: WIDTH - 3] + "..."
 
 
 def judge(r: Result, trimmed_ok: bool) -> None:
@@ -509,101 +581,66 @@ def judge(r: Result, trimmed_ok: bool) -> None:
         r.notes.append(f"differs from char {n}")
 
 
-def table_rows(host: Host, results: List[Result], width: int) -> List[Tuple[str, ...]]:
-    rows = [("host", "request", "expected", "got", "equal", "notes")]
-    for r in results:
-        notes = ([f"ERROR {r.error}"] if r.error else []) + r.notes
-        notes = [" ".join(n.split())[:160] for n in notes]
-        rows.append(
-            (
-                host.name,
-                f"{r.phase}/{r.name} {r.what}",
-                show(r.expected, width),
-                show(r.got, width),
-                r.equal,
-                "; ".join(notes),
-            )
-        )
-    return rows
-
-
-def print_table(rows: List[Tuple[str, ...]]) -> None:
+def finish(
+    run: Run,
+    phases: Dict[str, Dict[str, Any]],
+    rows: List[Tuple[str, ...]],
+    bad: List[str],
+    summary: str,
+    **record: Any,
+) -> int:
+    """Print the table, write OUT/results.json (``record`` added) and OUT/table.md; 1 if anything is ``bad``."""
+    print()
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for i, row in enumerate(rows):
         print(" | ".join(c.ljust(widths[j]) if j < 5 else c for j, c in enumerate(row)).rstrip())
         if i == 0:
             print("-+-".join("-" * w for w in widths) + "-+-" + "-" * 5)
-
-
-def write_report(out: Path, record: Dict[str, Any], phase_lines: List[str], rows: List[tuple]) -> None:
-    """``out``/results.json (``record``) and ``out``/table.md: the record's summary line, versions,
-    ``phase_lines``, then the table ``rows``."""
-    (out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = [f"{record['host']}: {record['summary']} ({record['seconds']} s); compass-compat {record['revision']}", ""]
-    md += ["- versions: " + ", ".join(f"{k} {v}" for k, v in record["versions"].items())]
-    (out / "table.md").write_text("\n".join(md + phase_lines) + "\n\n" + markdown_table(rows), encoding="utf-8")
-
-
-def markdown_table(rows: List[Tuple[str, ...]]) -> str:
-    def cell(s: str) -> str:
-        return s.replace("|", "\\|")
-
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
-    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows[1:]]
-    return "\n".join(out) + "\n"
+    seconds = round(time.monotonic() - run.started, 1)
+    package = Path(sys.modules["compass_compat"].__file__).parent
+    record = {
+        "host": run.host.label,
+        "versions": run.versions,
+        "upstream_ships": run.upstream_ships,
+        "compass_compat": str(package),
+        "revision": run.revision,
+        "max_tokens": run.max_tokens,
+        "seconds": seconds,
+        "phases": phases,
+        **record,
+        "failed": bad,
+        "summary": summary,
+    }
+    (run.out / "results.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = [f"{run.host.label}: {summary} ({seconds} s); compass-compat {run.revision}", ""]
+    md.append("- versions: " + ", ".join(f"{k} {v}" for k, v in run.versions.items()))
+    for n, i in phases.items():
+        md.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
+        if i.get("vision_cache"):
+            md.append(f"  - vision work: {i['vision_cache']}")
+    md += ["", "| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
+    md += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
+    (run.out / "table.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    print()
+    log(run.host.name, f"{summary} in {seconds} s; details {run.out / 'results.json'}")
+    return 1 if bad else 0
 
 
 # --------------------------------------------------------------------------- run
-def run_phase(
-    host: Host,
-    phase: Phase,
-    model_dir: Path,
-    out: Path,
-    results: Dict[Tuple[str, str], Result],
-    args: argparse.Namespace,
-    env: Dict[str, str],
-    vendor_dir: Path,
-) -> Dict[str, Any]:
-    port = free_port()
-    probe_dir = out / f"probe-{phase.name}"
-    shutil.rmtree(probe_dir, ignore_errors=True)
-    probe_dir.mkdir(parents=True)
-    penv = dict(env, **host.env, **phase.env, COMPASS_HOST_PROBE_DIR=str(probe_dir))
-    penv[AUTOPATCH] = "1"
-    penv["PYTHONPATH"] = os.pathsep.join([*filter(None, [penv.get("PYTHONPATH")]), str(PROBE_DIR)])
-    argv = host.command(model_dir, port) + phase.args + args.server_args.split()
-    opt_in = " ".join(f"{k}={penv[k]}" for k in (AUTOPATCH, FORCE) if penv.get(k))
-    # A throw-away key is still not worth printing; paths relative to the checkout.
-    shown = {k: ("<random>" if k.endswith("_KEY") else v) for k, v in {**host.env, **phase.env}.items()}
-    extra_env = " ".join(f"{k}={v}" for k, v in shown.items())
-    command = " ".join(filter(None, [opt_in, extra_env, *argv])).replace(str(ROOT) + "/", "")
-    log(host.name, f"phase {phase.name}: {command}")
-    server: Optional[Process] = None
-    base_url = f"http://127.0.0.1:{port}"
-    phase_info: Dict[str, Any] = {"command": command, "note": phase.note}
-    mine = [results[(phase.name, c.name)] for c in phase.cases]
+def send_phase(run: Run, phase: Phase, results: Dict[Tuple[str, str], Result]) -> Dict[str, Any]:
+    """One phase of a standard run: its requests in order, then its concurrent group at once."""
+    host = run.host
 
-    def fail_all(reason: str) -> None:
-        for r in mine:
-            if r.got is None and not r.error:
-                r.error = reason
-
-    try:
-        server = Process(argv, out / f"serve-{phase.name}.log", penv, out)
-        phase_info["ready_seconds"] = round(wait_ready(host, server, base_url, args.ready_timeout), 1)
-        log(host.name, f"ready after {phase_info['ready_seconds']} s on {base_url}")
-
+    def steps(server: Process, base_url: str) -> None:
         def send(case: Case) -> Dict[str, Any]:
-            stream = True if host.stream_only else case.stream
-            body = openai_body(case, args.max_tokens, stream)
-            if host.body:
-                body = host.body(body, case)
+            body = openai_body(case, run.max_tokens, host.stream_only or case.stream)
             t0 = time.monotonic()
-            reply = post_chat(base_url, body, host.headers, args.request_timeout)
+            reply = post_chat(base_url, host.body(body, case) if host.body else body, host.headers)
             reply["seconds"] = time.monotonic() - t0
             return reply
 
-        def absorb(r: Result, reply: Dict[str, Any], segment: str) -> None:
+        def absorb(case: Case, reply: Dict[str, Any], segment: str) -> None:
+            r = results[(phase.name, case.name)]
             r.got, r.finish_reason = reply.get("text"), reply.get("finish_reason")
             r.prompt_tokens_host, r.seconds = reply.get("prompt_tokens"), round(reply["seconds"], 1)
             if reply.get("error"):
@@ -615,17 +652,16 @@ def run_phase(
             errs = server_errors(segment)
             if errs and (r.error or r.got != r.expected):
                 r.notes.append(f"server log: {errs[0]}")
+            log(host.name, f"{phase.name}/{case.name}: {r.seconds} s, finish={r.finish_reason}, error={r.error}")
 
         for case in [c for c in phase.cases if c.group == "sequential"]:
-            r = results[(phase.name, case.name)]
             if not server.alive():
-                r.error = "server is gone"
+                results[(phase.name, case.name)].error = "server is gone"
                 continue
             offset = server.log_size()
             reply = send(case)
             time.sleep(0.3)  # let the log catch up
-            absorb(r, reply, server.log_since(offset))
-            log(host.name, f"{phase.name}/{case.name}: {r.seconds} s, finish={r.finish_reason}, error={r.error}")
+            absorb(case, reply, server.log_since(offset))
         group = [c for c in phase.cases if c.group == "concurrent"]
         if group and server.alive():
             offset = server.log_size()
@@ -640,107 +676,40 @@ def run_phase(
             time.sleep(0.3)
             segment = server.log_since(offset)
             for case, reply in zip(group, replies):
-                r = results[(phase.name, case.name)]
-                absorb(r, reply, segment)
-                log(host.name, f"{phase.name}/{case.name}: {r.seconds} s, finish={r.finish_reason}, error={r.error}")
-        if not server.alive():
-            log(host.name, f"the server died (exit {server.proc.returncode}); see {server.log_path}")
-            fail_all("server is gone")
-    except (KeyboardInterrupt, TimeoutError, RuntimeError) as err:
-        log(host.name, f"phase {phase.name} aborted: {type(err).__name__}: {err}")
-        fail_all(f"not sent ({type(err).__name__}: {err})")
-    finally:
-        if server is not None:
-            phase_info["server_exit"] = server.stop()
-            log(host.name, f"server stopped (exit {phase_info['server_exit']}); log: {server.log_path}")
+                absorb(case, reply, segment)
 
-    ok, verdict, records = read_probes(probe_dir, vendor_dir)
-    phase_info.update(probe_ok=ok, probe=verdict, probe_records=records)
-    log(host.name, f"probe ({phase.name}): {verdict}")
-    caches = vision_caches(probe_dir)
-    if caches:
-        phase_info["vision_cache"] = caches
-        log(host.name, f"vision cache ({phase.name}): {caches}")
-    if not ok:
-        for r in mine:
-            r.notes.append("probe: " + verdict)
-    return phase_info
+    info = dict(run_phase(run, phase.name, steps, phase.args), note=phase.note)
+    for c in phase.cases:
+        r = results[(phase.name, c.name)]
+        if info.get("aborted") and r.got is None and not r.error:
+            r.error = info["aborted"]
+        if not info["probe_ok"]:
+            r.notes.append("probe: " + info["probe"])
+    return info
 
 
 def main(host: Host, argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=f"{host.label} end to end (scripts/hosts/common/e2e.py)")
-    ap.add_argument("--max-tokens", type=int, default=12, help="for every request (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=ROOT / "build" / "hosts" / host.name, help="work folder")
-    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for the server to come up")
-    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per HTTP request")
-    ap.add_argument("--phase", action="append", help="run only these phases (repeatable)")
-    ap.add_argument("--source", type=Path, help="checkout whose compass_compat/vendor to run (first on PYTHONPATH)")
-    ap.add_argument(
-        "--git-rev", help="run compass-compat as committed at this revision (e.g. HEAD): --source of its export"
-    )
-    ap.add_argument("--no-prompt-check", action="store_true", help="skip the host's in-process prompt check")
-    ap.add_argument("--width", type=int, default=40, help="table column width for texts")
-    ap.add_argument(
-        "--server-args", default="", help="extra server arguments for every phase, one string (e.g. a host flag to try)"
-    )
-    args = ap.parse_args(argv)
-
-    source = args.source.resolve() if args.source else None
-    if args.git_rev:
-        source = export_rev(args.git_rev, args.out.resolve())
-    if source is not None:
-        sys.path.insert(0, str(source))
-    try:
-        import compass_compat  # noqa: F401
-        import compass_data  # noqa: F401
-    except ImportError as err:
-        print(
-            f"{host.name} e2e: compass-compat is not importable here ({err}); use the host environment", file=sys.stderr
-        )
+    run = setup(host, argv)
+    if run is None:
         return 2
-    from compass_compat.vendor import vendor_root
-
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    vers = versions(host.distributions)
-    upstream = upstream_ships_package()
-    env = source_env(source, {})
-    vendor_dir = vendor_root().resolve()
-    log(host.name, "versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
-    revision = git_revision(Path(compass_compat.__file__).resolve().parent.parent)
-    log(
-        host.name,
-        f"compass_compat from {Path(compass_compat.__file__).parent} ({revision}); vendored tree {vendor_dir}",
-    )
-    log(host.name, f"mlx-vlm ships cohere_compass: {upstream} (no flag set: the recorded verdicts decide)")
-    phases = [p for p in host.phases() if not args.phase or p.name in args.phase]
-    model_dir = prepare_model_dir(out)
-    log(host.name, f"checkpoint {model_dir}")
-
-    results: Dict[Tuple[str, str], Result] = {}
-    distinct: Dict[Tuple, Case] = {}
-    for p in phases:
-        for c in p.cases:
-            results[(p.name, c.name)] = Result(p.name, c.name, c.what)
-            distinct.setdefault(c.key(), c)
+    phases = host.phases()
+    cases = [c for p in phases for c in p.cases]
+    results = {(p.name, c.name): Result(p.name, c.name, c.what) for p in phases for c in p.cases}
     t0 = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:  # two at a time: the machine is small
-        answers = dict(
-            zip(distinct, pool.map(lambda c: expected_text(model_dir, c, args.max_tokens, env), distinct.values()))
-        )
+    answers = references(run, cases)
     for p in phases:
         for c in p.cases:
             text, err = answers[c.key()]
             results[(p.name, c.name)].expected = text
             if err:
                 results[(p.name, c.name)].error = f"reference: {err}"
-    log(host.name, f"expected answers: {len(distinct)} generate processes in {time.monotonic() - t0:.1f} s")
-    checks = {}
-    if host.prompt_check and not args.no_prompt_check:
+    log(host.name, f"expected answers: {len(answers)} generate processes in {time.monotonic() - t0:.1f} s")
+    checks: Dict[str, Dict[str, Any]] = {}
+    if host.prompt_check:
         t0 = time.monotonic()
-        checks = host.prompt_check(model_dir, list(distinct.values()), args.max_tokens)
-        by_key = {c.key(): checks[c.name] for c in distinct.values()}
+        unique = distinct(cases)
+        checks = host.prompt_check(run.model_dir, list(unique.values()), run.max_tokens)
+        by_key = {k: checks[c.name] for k, c in unique.items()}
         for p in phases:
             for c in p.cases:
                 entry, r = by_key[c.key()], results[(p.name, c.name)]
@@ -752,16 +721,9 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         verdicts = ", ".join(f"{n} {'same' if e.get('ok') else 'NOT same'}" for n, e in checks.items())
         log(host.name, f"prompt check ({time.monotonic() - t0:.1f} s): {verdicts}")
 
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")  # run_phase stops the server on the way out
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        phase_info = {p.name: run_phase(host, p, model_dir, out, results, args, env, vendor_dir) for p in phases}
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    phase_info = {p.name: send_phase(run, p, results) for p in phases}
     ordered = [results[(p.name, c.name)] for p in phases for c in p.cases]
+    rows = [("host", "request", "expected", "got", "equal", "notes")]
     for r in ordered:
         judge(r, host.trimmed_ok)
         if not phase_info[r.phase]["probe_ok"]:
@@ -771,34 +733,12 @@ def main(host: Host, argv: Optional[List[str]] = None) -> int:
         if r.prompt_check not in ("", "same"):
             r.notes.append(f"prompt check {r.prompt_check}")
             r.equal = "NO"
-    rows = table_rows(host, ordered, args.width)
-    print()
-    print_table(rows)
+        notes = [" ".join(n.split())[:160] for n in ([f"ERROR {r.error}"] if r.error else []) + r.notes]
+        rows.append(
+            (host.name, f"{r.phase}/{r.name} {r.what}", show(r.expected), show(r.got), r.equal, "; ".join(notes))
+        )
     bad = [f"{r.phase}/{r.name}" for r in ordered if r.equal == "NO"]
-    seconds = round(time.monotonic() - started, 1)
-    summary = f"{host.name}: {len(ordered) - len(bad)} of {len(ordered)} requests equal" + (
-        f"; differing: {', '.join(bad)}" if bad else ""
-    )
-    record = {
-        "host": host.label,
-        "versions": vers,
-        "upstream_ships": upstream,
-        "compass_compat": str(Path(compass_compat.__file__).parent),
-        "revision": revision,
-        "max_tokens": args.max_tokens,
-        "seconds": seconds,
-        "phases": phase_info,
-        "prompt_check": checks,
-        "results": [asdict(r) for r in ordered],
-        "failed": bad,
-        "summary": summary,
-    }
-    phase_lines = []
-    for n, i in phase_info.items():
-        phase_lines.append(f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}")
-        if i.get("vision_cache"):
-            phase_lines.append(f"  - vision work: {i['vision_cache']}")
-    write_report(out, record, phase_lines, rows)
-    print()
-    log(host.name, f"{summary} in {seconds} s; details {out / 'results.json'}")
-    return 1 if bad else 0
+    summary = f"{host.name}: {len(ordered) - len(bad)} of {len(ordered)} requests equal"
+    summary += f"; differing: {', '.join(bad)}" if bad else ""
+    results_list = [asdict(r) for r in ordered]
+    return finish(run, phase_info, rows, bad, summary, prompt_check=checks, results=results_list)

@@ -1,18 +1,24 @@
-# Shared steps of scripts/hosts/<host>/env.sh (sourced, not run). The host script sets:
-#   HOST        short name, used in log lines          (lmstudio, rapid_mlx, vmlx)
-#   ENV_DIR     the environment to build                ($root/.venvs/<host>-<version>)
-#   SPEC        one line naming what is installed       (goes into the stamp)
-#   host_install  a function: installs the host and its requirements with "${pip[@]}" and
-#                 "${cflags[@]}" (the constraints flags; empty on a fresh resolution)
-#   host_check    a function: fails if the environment is not what the host needs
+# Shared steps of scripts/hosts/<host>/env.sh, sourced as its last line. The host script sets:
+#   ENV_NAME      the environment's folder under .venvs (<host>-<version>)
+#   INSTALL       the pip arguments that install the host (unless it defines host_install)
+#   SPEC          one line naming what is installed, for the stamp (default: INSTALL)
+#   REQUIRE       require_host's arguments: modules [-- executables] the host needs
 #   REPORT_NAMES  distributions whose versions are reported
-# and then calls build_host_env. The environment is rebuilt only when the host script, this
-# file, pyproject.toml or the committed constraints change. After a build the exact versions
-# (`pip freeze --exclude-editable`) go to scripts/hosts/<host>/constraints.txt; when that file
-# exists every install runs with `-c` it, so a rebuild resolves the same versions.
-
+#   host_install  optional function: installs the host with "${pip[@]}" and "${cflags[@]}" (the
+#                 constraints flags; empty on a fresh resolution)
+#   host_check    optional function: what else fails if the environment is not what the host needs
+# The environment is rebuilt only when the host script, this file, pyproject.toml or the
+# committed constraints change. After a build the exact versions (`pip freeze --exclude-editable`)
+# go to scripts/hosts/<host>/constraints.txt; when that file exists every install runs with `-c`
+# it, so a rebuild resolves the same versions.
+set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 py="${PYTHON:-python3}"
+HOST_SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+HOST="$(basename "$(dirname "$HOST_SCRIPT")")"
+ENV_DIR="$root/.venvs/$ENV_NAME"
+CONSTRAINTS="$root/scripts/hosts/$HOST/constraints.txt"
+: "${SPEC:=${INSTALL[*]}}"
 
 _stamp() {
   local c="none"
@@ -49,43 +55,6 @@ _sync_startup_hook() {
   fi
 }
 
-build_host_env() {
-  CONSTRAINTS="$root/scripts/hosts/$HOST/constraints.txt"
-  local stamp="$ENV_DIR/.compass-compat-stamp"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(_stamp)" ]; then
-    echo "[$HOST-env] up to date ($ENV_DIR)"
-    _sync_startup_hook
-    report_env
-    return 0
-  fi
-  echo "[$HOST-env] creating $ENV_DIR"
-  rm -rf "$ENV_DIR"
-  "$py" -m venv "$ENV_DIR"
-  pip=("$ENV_DIR/bin/python" -m pip)
-  "${pip[@]}" install -q --upgrade pip
-  cflags=()
-  if [ -f "$CONSTRAINTS" ]; then
-    echo "[$HOST-env] installing with -c ${CONSTRAINTS#$root/}"
-    cflags=(-c "$CONSTRAINTS")
-  else
-    echo "[$HOST-env] no ${CONSTRAINTS#$root/} yet: resolving fresh (it is written afterwards)"
-  fi
-  host_install
-  "${pip[@]}" install -q "${cflags[@]}" pytest
-  # compass-compat from this checkout (its .pth startup hook included), never its requirements:
-  # the host's resolution stays the host's.
-  "${pip[@]}" install -q --no-deps -e "$root"
-  host_check
-  {
-    echo "# Exact versions of ${ENV_DIR#$root/}, written by scripts/hosts/$HOST/env.sh (pip freeze --exclude-editable)."
-    "${pip[@]}" freeze --exclude-editable
-  } > "$CONSTRAINTS.tmp"
-  mv "$CONSTRAINTS.tmp" "$CONSTRAINTS"
-  echo "[$HOST-env] wrote ${CONSTRAINTS#$root/}"
-  _stamp > "$stamp"
-  report_env
-}
-
 # Fail unless every module imports by name in the environment and the named executables exist.
 #   require_host MODULE ... [-- EXECUTABLE ...]
 require_host() {
@@ -106,3 +75,40 @@ PY
     [ -x "$ENV_DIR/bin/$exe" ] || { echo "[$HOST-env] error: no $exe executable in $ENV_DIR/bin" >&2; exit 1; }
   done
 }
+
+declare -F host_install >/dev/null || host_install() { "${pip[@]}" install -q "${cflags[@]}" "${INSTALL[@]}"; }
+declare -F host_check >/dev/null || host_check() { :; }
+
+if [ -f "$ENV_DIR/.compass-compat-stamp" ] && [ "$(cat "$ENV_DIR/.compass-compat-stamp")" = "$(_stamp)" ]; then
+  echo "[$HOST-env] up to date ($ENV_DIR)"
+  _sync_startup_hook
+  report_env
+  exit 0
+fi
+echo "[$HOST-env] creating $ENV_DIR"
+rm -rf "$ENV_DIR"
+"$py" -m venv "$ENV_DIR"
+pip=("$ENV_DIR/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+cflags=()
+if [ -f "$CONSTRAINTS" ]; then
+  echo "[$HOST-env] installing with -c ${CONSTRAINTS#$root/}"
+  cflags=(-c "$CONSTRAINTS")
+else
+  echo "[$HOST-env] no ${CONSTRAINTS#$root/} yet: resolving fresh (it is written afterwards)"
+fi
+host_install
+"${pip[@]}" install -q "${cflags[@]}" pytest
+# compass-compat from this checkout (its .pth startup hook included), never its requirements:
+# the host's resolution stays the host's.
+"${pip[@]}" install -q --no-deps -e "$root"
+require_host $REQUIRE
+host_check
+{
+  echo "# Exact versions of ${ENV_DIR#$root/}, written by scripts/hosts/$HOST/env.sh (pip freeze --exclude-editable)."
+  "${pip[@]}" freeze --exclude-editable
+} > "$CONSTRAINTS.tmp"
+mv "$CONSTRAINTS.tmp" "$CONSTRAINTS"
+echo "[$HOST-env] wrote ${CONSTRAINTS#$root/}"
+_stamp > "$ENV_DIR/.compass-compat-stamp"
+report_env

@@ -1,9 +1,11 @@
 # Shared body of scripts/hosts/<host>/run.sh (sourced, not run): build (or reuse) the host's
 # environment with its env.sh, then run tests/test_host_e2e.py's case of the host there, which runs
 # scripts/hosts/<host>/e2e.py and prints its table. Exit 0 only if every request is equal.
-# The host script sets HOST (e.g. lmstudio) and ENV_DIR; its arguments go to e2e.py.
+# The run.sh's arguments go to e2e.py. Output: build/hosts/<host>/{e2e.log,serve-*.log,results.json,table.md,pytest.xml}.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+HOST="$(basename "$(cd "$(dirname "$0")" && pwd)")"
+ENV_DIR="$root/.venvs/$(sed -n 's/^ENV_NAME=//p' "$root/scripts/hosts/$HOST/env.sh")"
 start=$SECONDS
 bash "$root/scripts/hosts/$HOST/env.sh"
 mkdir -p "$root/build/hosts/$HOST"

@@ -1,18 +1,11 @@
 #!/usr/bin/env python3
-"""End to end: LM Studio's MLX engine (lmstudio-ai/mlx-engine 08f0c07, `python -m mlx_engine.server`)
-serving compass-compat's default checkpoint through the opt-in hook, every answer checked against
-`python -m compass_compat generate` for the same messages.
+"""End to end: LM Studio's MLX engine (mlx-engine 08f0c07, `python -m mlx_engine.server`) against
+`python -m compass_compat generate` (scripts/hosts/common/e2e.py; run by scripts/hosts/lmstudio/run.sh).
 
-Run it with the environment's interpreter (scripts/hosts/lmstudio/env.sh builds it):
-
-    .venvs/lmstudio-08f0c07/bin/python scripts/hosts/lmstudio/e2e.py [--max-tokens 12] [--source DIR]
-
-The engine's server streams only and requires `top_k` (greedy here: temperature 0, which its
-sampler turns into argmax) and a bearer key (MLX_ENGINE_API_KEY, a throw-away value). Besides
-the standard request set (scripts/hosts/common/e2e.py) it gets the engine's own path: text
-prompts whose start its prompt cache already holds from an earlier request (the engine then
-embeds only the uncached suffix, `model_kit/batched_vision/prompt_inputs.py`), one of them
-repeated whole. Output: build/hosts/lmstudio/{results.json,table.md,serve-*.log}.
+The engine's server streams only and requires `top_k` and a bearer key (MLX_ENGINE_API_KEY, a
+throw-away value). Besides the standard request set it gets the engine's own path: text prompts
+whose start its prompt cache already holds from an earlier request (the engine then embeds only
+the uncached suffix, `model_kit/batched_vision/prompt_inputs.py`), one of them repeated whole.
 """
 
 from __future__ import annotations

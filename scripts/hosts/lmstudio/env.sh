@@ -13,15 +13,11 @@
 #                                                   nothing on this path needs torchvision)
 # The snapshot is unpacked to .venvs/lmstudio-08f0c07/src and put on sys.path by a .pth file, so
 # `python -m mlx_engine.server` runs from anywhere. Never edited.
-#
 # Usage: scripts/hosts/lmstudio/env.sh   (PYTHON=python3.x; LMSTUDIO_SNAPSHOT=archive to override)
-set -euo pipefail
-HOST=lmstudio
-HOST_SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
-source "$(dirname "$0")/../common/env.sh"
-SNAPSHOT="${LMSTUDIO_SNAPSHOT:-$root/../shared/hosts/mlx-engine-08f0c07.tar.gz}"
-ENV_DIR="$root/.venvs/lmstudio-08f0c07"
+ENV_NAME=lmstudio-08f0c07
+SNAPSHOT="${LMSTUDIO_SNAPSHOT:-$(dirname "$0")/../../../../shared/hosts/mlx-engine-08f0c07.tar.gz}"
 SPEC="mlx-engine 08f0c07 $(sha1sum "$SNAPSHOT" | cut -c1-12) mlx[cpu]==0.32.0 mlx-vlm==0.6.12 mlx-lm==0.31.3 outlines==1.1.1 torch==2.13.0"
+REQUIRE="mlx_engine.server mlx_vlm mlx_lm outlines torch"
 REPORT_NAMES="mlx mlx-cpu mlx-vlm mlx-lm transformers torch outlines"
 
 host_install() {
@@ -49,8 +45,7 @@ host_install() {
 }
 
 host_check() {
-  require_host mlx_engine.server mlx_vlm mlx_lm outlines torch
   "$ENV_DIR/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda and f'[lmstudio-env] error: torch {torch.__version__} is a CUDA build; the engine env uses the CPU one')"
 }
 
-build_host_env
+source "$(dirname "$0")/../common/env.sh"

@@ -1,11 +1,6 @@
 #!/usr/bin/env python3
-"""End to end: oMLX's engine (`omlx serve`, PyPI flyto-mlx 0.7.0) serving compass-compat's default
-checkpoint (the toy) through the opt-in hook, every answer checked against
-`python -m compass_compat generate` for the same messages (scripts/hosts/common/e2e.py).
-
-Run it with the environment's interpreter (scripts/hosts/omlx/env.sh builds it):
-
-    .venvs/omlx-0.7.0/bin/python scripts/hosts/omlx/e2e.py [--git-rev HEAD] [--source DIR]
+"""End to end: oMLX's engine (`omlx serve`, PyPI flyto-mlx 0.7.0) against
+`python -m compass_compat generate` (scripts/hosts/common/e2e.py; run by scripts/hosts/omlx/run.sh).
 
 `omlx serve --model-dir` serves every subfolder of OUT/models, the folder name being the model id
 requests name; every run gets a fresh `--base-path` (no paged SSD cache, vision cache or settings
@@ -19,7 +14,6 @@ bit for bit. Requests: oMLX's set (the standard one less g and h) plus `v`, a vi
 so `v` must be answered, and its prompt built, as the text alone; when oMLX starts passing videos
 it fails and the docs need the new behaviour. oMLX strips the surrounding whitespace of a
 non-streamed reply (`clean_special_tokens`): such a reply equals "trimmed".
-Output: build/hosts/omlx/{results.json,table.md,serve-*.log}.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Run it with the environment's interpreter (scripts/hosts/omni/env.sh builds it):
 
     .venvs/omni-0.5.3/bin/python scripts/hosts/omni/e2e.py [--max-tokens 12] [--source DIR]
 
-Unlike the other hosts, mlx-omni-server cannot serve the model as a VLM: it loads through mlx-vlm
+(scripts/hosts/common/e2e.py does the setup, servers and report.) Unlike the other hosts, mlx-omni-server cannot serve the model as a VLM: it loads through mlx-vlm
 only models whose type or name says gemma4 (`chat/mlx/model_types.py`, `MLX_VLM_ONLY_MODELS`,
 `_is_vlm_model`) and sends every other model to `mlx_lm.load`, and its request schema
 (`chat/openai/schema.py`, `ChatMessage.content: Union[str, List[Dict[str, str]]]`) refuses the
@@ -34,19 +34,15 @@ the documentation says a user gets, as observed facts, and exits 0 only when eve
 
 The host's startup imports three modules that cannot run here (text to speech and image
 generation, off the chat path): scripts/hosts/omni/launch.py stubs them and starts the host's
-own `mlx_omni_server.main.start`. Output: build/hosts/omni/{results.json,table.md,serve-*.log}.
+own `mlx_omni_server.main.start`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -54,47 +50,32 @@ from typing import Any, Callable, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from scripts.hosts.common.e2e import (  # noqa: E402
-    AUTOPATCH,
     FIXTURES,
-    PROBE_DIR,
-    ROOT,
     Case,
     Host,
+    chat_body,
     data_uri,
-    expected_text,
-    export_rev,
-    git_revision,
+    finish,
     log,
     post_chat,
-    prepare_model_dir,
-    print_table,
-    read_probes,
+    references,
+    run_phase,
+    setup,
     show,
-    source_env,
-    versions,
-    wait_ready,
-    write_report,
 )
-from tests.support.server import Process, free_port  # noqa: E402
 
 NAME = "omni"
 LAUNCH = Path(__file__).resolve().parent / "launch.py"
-MLX_LM = "COMPASS_COMPAT_MLX_LM"
 SEA = "Write one sentence about the sea, the wind and the sky at night."
 SHAPE = "What shape is in the middle?"
 PICTURE = str(FIXTURES / "synth_320x256.png")
-
-
-def command(model_dir: Path, port: int) -> List[str]:
-    return [sys.executable, str(LAUNCH), "--host", "127.0.0.1", "--port", str(port)]
 
 
 HOST = Host(
     name=NAME,
     label="mlx-omni-server 0.5.3",
     distributions=["mlx-omni-server", "mlx", "mlx-vlm", "mlx-lm", "transformers"],
-    command=command,
-    phases=lambda: [],
+    command=lambda model_dir, port: [sys.executable, str(LAUNCH), "--host", "127.0.0.1", "--port", str(port)],
     ready_check=lambda reply: None,  # it lists the Hugging Face cache; models load per request
 )
 
@@ -108,38 +89,6 @@ class Check:
     got: str = "-"
     holds: str = "NO"
     notes: List[str] = field(default_factory=list)
-
-
-def body(model: str, content: Any, max_tokens: int) -> Dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
-
-
-def post(base_url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """One non-streamed /v1/chat/completions call: text, prompt_tokens, cached_tokens, error."""
-    req = urllib.request.Request(
-        base_url + "/v1/chat/completions",
-        data=json.dumps(payload).encode("utf-8"),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    out: Dict[str, Any] = {"text": None, "prompt_tokens": None, "cached_tokens": None, "error": None}
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            reply = json.loads(resp.read())
-        usage = reply.get("usage") or {}
-        out["text"] = reply["choices"][0]["message"].get("content") or ""
-        out["prompt_tokens"] = usage.get("prompt_tokens")
-        out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except urllib.error.HTTPError as err:
-        out["error"] = f"HTTP {err.code}: {err.read().decode('utf-8', 'replace')[:300]}"
-    except Exception as err:  # reset, timeout, bad JSON, ...
-        out["error"] = f"{type(err).__name__}: {err}"
-    return out
 
 
 def picture_parts(text: str, as_string: bool) -> List[Dict[str, Any]]:
@@ -225,103 +174,53 @@ def random_llama(model_dir: Path, out: Path) -> Path:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description="mlx-omni-server 0.5.3 end to end (what a user gets)")
-    ap.add_argument("--max-tokens", type=int, default=12, help="for every request (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=ROOT / "build" / "hosts" / NAME, help="work folder")
-    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for the server to come up")
-    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per HTTP request")
-    ap.add_argument("--source", type=Path, help="checkout whose compass_compat/vendor to run (first on PYTHONPATH)")
-    ap.add_argument("--git-rev", help="run compass-compat as committed at this revision: --source of its export")
-    ap.add_argument("--width", type=int, default=40, help="table column width for texts")
-    args = ap.parse_args(argv)
-
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    source = args.source.resolve() if args.source else None
-    if args.git_rev:
-        source = export_rev(args.git_rev, out)
-    if source is not None:
-        sys.path.insert(0, str(source))
-    try:
-        import compass_compat
-        from compass_compat.vendor import vendor_root
-    except ImportError as err:
-        print(f"{NAME} e2e: compass-compat is not importable here ({err}); use the host environment", file=sys.stderr)
+    run = setup(HOST, argv)
+    if run is None:
         return 2
-    started = time.monotonic()
-    vers = versions(HOST.distributions)
-    revision = git_revision(Path(compass_compat.__file__).resolve().parent.parent)
-    log(NAME, "versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
-    log(NAME, f"compass_compat from {Path(compass_compat.__file__).parent} ({revision})")
-    model_dir = prepare_model_dir(out)
-    llama_dir = random_llama(model_dir, out)
-    llama = mlx_lm_answers(llama_dir, prompt_ids(llama_dir, SEA)["host"], args.max_tokens)
+    n = run.max_tokens
+    model_dir = run.model_dir
+    llama_dir = random_llama(model_dir, run.out)
+    llama = mlx_lm_answers(llama_dir, prompt_ids(llama_dir, SEA)["host"], n)
     model = str(model_dir)
-    env = source_env(source, {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(out / "hf-cache")})
-    env.pop(MLX_LM, None)
-    vendor_dir = vendor_root().resolve()
+    run.env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(run.out / "hf-cache"))
 
     # The host's name rule (`_is_vlm_model`): a path that contains "gemma4" goes to mlx_vlm.load.
-    named_dir = out / "models" / f"{model_dir.name}-gemma4"
+    named_dir = run.out / "models" / f"{model_dir.name}-gemma4"
     shutil.rmtree(named_dir, ignore_errors=True)
     shutil.copytree(model_dir, named_dir)
-    reference: Dict[str, Optional[str]] = {}
-    for key, case in {
+    asked = {
         SEA: Case("ref", [], SEA, ""),
         SHAPE: Case("ref", [], SHAPE, ""),
         PICTURE: Case("ref", [PICTURE], SHAPE, ""),
-    }.items():
-        got, err = expected_text(model_dir, case, args.max_tokens, env)
+    }
+    answers = references(run, list(asked.values()))
+    reference: Dict[str, Optional[str]] = {}
+    for key, case in asked.items():
+        reference[key], err = answers[case.key()]
         if err:
             log(NAME, f"reference for {case.images} {case.text!r}: {err}")
             return 2
-        reference[key] = got
     ids = prompt_ids(model_dir, SEA)
-    replayed = mlx_lm_answers(model_dir, ids["host"], args.max_tokens)["twice"]
+    replayed = mlx_lm_answers(model_dir, ids["host"], n)["twice"]
     log(NAME, f"reference answers: {reference}; prompt of {SEA!r}: reference {len(ids['ref'])} tokens")
 
     checks: List[Check] = []
-    server_port: List[int] = [0]
     phases: Dict[str, Dict[str, Any]] = {}
 
-    def run(phase: str, extra: Dict[str, str], opted_in: bool, steps: Callable[[Callable, Process], None]) -> None:
-        port = free_port()
-        server_port[:] = [port]
-        probe_dir = out / f"probe-{phase}"
-        shutil.rmtree(probe_dir, ignore_errors=True)
-        probe_dir.mkdir(parents=True)
-        penv = dict(env, **extra, COMPASS_HOST_PROBE_DIR=str(probe_dir))
-        penv.pop(AUTOPATCH, None)
-        if opted_in:
-            penv[AUTOPATCH] = "1"
-        penv["PYTHONPATH"] = os.pathsep.join([*filter(None, [penv.get("PYTHONPATH")]), str(PROBE_DIR)])
-        shown = " ".join(f"{k}={penv[k]}" for k in (AUTOPATCH, MLX_LM) if penv.get(k))
-        argv = command(model_dir, port)
-        info: Dict[str, Any] = {"command": " ".join(filter(None, [shown, *argv])).replace(str(ROOT) + "/", "")}
-        log(NAME, f"phase {phase}: {info['command']}")
-        server = None
-        try:
-            server = Process(argv, out / f"serve-{phase}.log", penv, out)
-            info["ready_seconds"] = round(wait_ready(HOST, server, f"http://127.0.0.1:{port}", args.ready_timeout), 1)
-
+    def phase(
+        name: str, steps: Callable[[Callable], None], env: Optional[Dict[str, str]] = None, opted_in: bool = True
+    ) -> None:
+        def with_send(server: Any, base_url: str) -> None:
             def send(payload: Dict[str, Any]) -> Dict[str, Any]:
                 offset = server.log_size()
-                reply = post(f"http://127.0.0.1:{port}", payload, args.request_timeout)
+                reply = post_chat(base_url, payload, {})
                 time.sleep(0.3)  # let the log catch up
                 reply["log"] = server.log_since(offset)
                 return reply
 
-            steps(send, server)
-        except (KeyboardInterrupt, TimeoutError, RuntimeError) as err:
-            log(NAME, f"phase {phase} aborted: {type(err).__name__}: {err}")
-            info["aborted"] = f"{type(err).__name__}: {err}"
-        finally:
-            if server is not None:
-                info["server_exit"] = server.stop()
-        ok, verdict, _ = read_probes(probe_dir, vendor_dir)
-        info.update(probe_ok=ok, probe=verdict)
-        log(NAME, f"probe ({phase}): {verdict}")
-        phases[phase] = info
+            steps(send)
+
+        phases[name] = run_phase(run, name, with_send, env=env, opted_in=opted_in)
 
     def check(phase: str, name: str, what: str, documented: str, holds: bool, got: str, *notes: str) -> None:
         c = Check(phase, name, what, documented, got, "yes" if holds else "NO", [n for n in notes if n])
@@ -329,17 +228,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(NAME, f"{phase}/{name}: {'holds' if holds else 'DOES NOT HOLD'}: got {got}")
 
     def reply_text(r: Dict[str, Any]) -> str:
-        return f"HTTP error: {r['error'][:120]}" if r.get("error") else show(r.get("text"), args.width)
+        return f"HTTP error: {r['error'][:120]}" if r.get("error") else show(r.get("text"))
 
     def refuses_image_url(send: Callable, name: str, phase: str, check_name: str) -> None:
-        r = send(body(name, picture_parts(SHAPE, as_string=False), args.max_tokens))
+        r = send(chat_body(name, picture_parts(SHAPE, as_string=False), n))
         check(
             phase, check_name, "image_url {url} + text", "HTTP 422 (request schema)",
             (r.get("error") or "").startswith("HTTP 422"), reply_text(r),
         )  # fmt: skip
 
-    def autopatch(send: Callable, server: Process) -> None:
-        r = send(body(model, "Say hello.", args.max_tokens))
+    def autopatch(send: Callable) -> None:
+        r = send(chat_body(model, "Say hello.", n))
         said = "Model type cohere_compass not supported" in r["log"]
         check(
             "autopatch", "t1", "text", "HTTP 500; log: Model type cohere_compass not supported (mlx_lm.load)",
@@ -348,10 +247,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         )  # fmt: skip
         refuses_image_url(send, model, "autopatch", "p1")
 
-    def mlx_lm(send: Callable, server: Process) -> None:
-        r1 = send(body(model, SEA, args.max_tokens))
+    def mlx_lm(send: Callable) -> None:
+        r1 = send(chat_body(model, SEA, n))
         check(
-            "mlx_lm", "r1", "text, first request", f"= generate: {show(reference[SEA], args.width)}",
+            "mlx_lm", "r1", "text, first request", f"= generate: {show(reference[SEA])}",
             not r1.get("error") and r1.get("text") == reference[SEA], reply_text(r1),
         )  # fmt: skip
         second_bos = ids["host"] == [ids["bos"], *ids["ref"]] and r1.get("prompt_tokens") == len(ids["ref"]) + 1
@@ -360,17 +259,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             second_bos, f"{r1.get('prompt_tokens')} prompt tokens",
             f"host encodes {ids['host'][:3]}..., reference {ids['ref'][:3]}...",
         )  # fmt: skip
-        answers = [send(body(model, SEA, args.max_tokens)) for _ in range(2)]
+        answers = [send(chat_body(model, SEA, n)) for _ in range(2)]
         texts = [a.get("text") for a in answers]
         check(
             "mlx_lm", "r2-r3", "= r1, sent twice more",
-            f"answered from its prompt with the last token twice: {show(replayed, args.width)}",
+            f"answered from its prompt with the last token twice: {show(replayed)}",
             replayed != reference[SEA] and texts == [replayed, replayed], " / ".join(reply_text(a) for a in answers),
             f"prompt tokens cached: {[(a.get('cached_tokens'), a.get('prompt_tokens')) for a in answers]}",
         )  # fmt: skip
         refuses_image_url(send, model, "mlx_lm", "p1")
-        with_picture = send(body(model, picture_parts(SHAPE, as_string=True), args.max_tokens))
-        text_only = send(body(model, [{"type": "text", "text": SHAPE}], args.max_tokens))
+        with_picture = send(chat_body(model, picture_parts(SHAPE, as_string=True), n))
+        text_only = send(chat_body(model, [{"type": "text", "text": SHAPE}], n))
         dropped = (
             not with_picture.get("error")
             and not text_only.get("error")
@@ -383,8 +282,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "= generate without the picture" if with_picture.get("text") == reference[SHAPE] else "",
         )  # fmt: skip
 
-    def control(send: Callable, server: Process) -> None:
-        answers = [send(body(str(llama_dir), SEA, args.max_tokens)) for _ in range(3)]
+    def control(send: Callable) -> None:
+        answers = [send(chat_body(str(llama_dir), SEA, n)) for _ in range(3)]
         texts = [a.get("text") for a in answers]
         cut = llama["host"] != llama["host-1"]  # the reply ran to max_tokens: its last token shows
         check(
@@ -393,78 +292,50 @@ def main(argv: Optional[List[str]] = None) -> int:
             " each less its last token (cut at max_tokens)",
             cut and texts == [llama["host-1"], llama["twice-1"], llama["twice-1"]],
             " / ".join(reply_text(a) for a in answers),
-            f"mlx-lm, {args.max_tokens} tokens: {llama['host']!r} / {llama['twice']!r}",
+            f"mlx-lm, {n} tokens: {llama['host']!r} / {llama['twice']!r}",
         )  # fmt: skip
 
-    def gemma4_name(send: Callable, server: Process) -> None:
+    def gemma4_name(send: Callable) -> None:
         named = str(named_dir)
-        answers = [send(body(named, SEA, args.max_tokens)) for _ in range(2)]
+        answers = [send(chat_body(named, SEA, n)) for _ in range(2)]
         check(
-            "gemma4_name", "g1-g2", "text, sent twice", f"= generate both times: {show(reference[SEA], args.width)}, {len(ids['ref'])} prompt tokens",
+            "gemma4_name", "g1-g2", "text, sent twice", f"= generate both times: {show(reference[SEA])}, {len(ids['ref'])} prompt tokens",
             [a.get("text") for a in answers] == [reference[SEA]] * 2 and answers[0].get("prompt_tokens") == len(ids["ref"]),
             " / ".join(reply_text(a) for a in answers), f"prompt tokens {[a.get('prompt_tokens') for a in answers]}",
         )  # fmt: skip
-        r = send(body(named, picture_parts(SHAPE, as_string=True), args.max_tokens))
+        r = send(chat_body(named, picture_parts(SHAPE, as_string=True), n))
         check(
-            "gemma4_name", "g3", 'image_url "<data URI>" + text', f"= generate with the picture: {show(reference[PICTURE], args.width)}",
+            "gemma4_name", "g3", 'image_url "<data URI>" + text', f"= generate with the picture: {show(reference[PICTURE])}",
             not r.get("error") and r.get("text") == reference[PICTURE], reply_text(r), f"{r.get('prompt_tokens')} prompt tokens",
         )  # fmt: skip
         refuses_image_url(send, named, "gemma4_name", "g4")
-        offset = server.log_size()
-        r = post_chat(
-            f"http://127.0.0.1:{server_port[0]}",
-            dict(body(named, SEA, args.max_tokens), stream=True),
-            {},
-            args.request_timeout,
-        )
-        time.sleep(0.3)
-        refused = "Streaming is not yet supported for VLM-only models" in server.log_since(offset)
+        r = send(chat_body(named, SEA, n, stream=True))
+        refused = "Streaming is not yet supported for VLM-only models" in r["log"]
         check(
             "gemma4_name", "g5", "text, streamed", "no text (the stream ends without [DONE]; log: streaming not supported)",
             not r.get("text") and bool(r.get("error")) and refused, reply_text(r),
         )  # fmt: skip
 
-    run("autopatch", {}, True, autopatch)
-    run("mlx_lm", {MLX_LM: "1"}, True, mlx_lm)
-    run("gemma4_name", {}, True, gemma4_name)
-    run("control", {}, False, control)
-    for phase in ("mlx_lm", "gemma4_name"):  # the phases that load the model
-        if not phases[phase]["probe_ok"]:
+    phase("autopatch", autopatch)
+    phase("mlx_lm", mlx_lm, {"COMPASS_COMPAT_MLX_LM": "1"})
+    phase("gemma4_name", gemma4_name)
+    phase("control", control, opted_in=False)
+    for name in ("mlx_lm", "gemma4_name"):  # the phases that load the model
+        if not phases[name]["probe_ok"]:
             for c in checks:
-                if c.phase == phase:
+                if c.phase == name:
                     c.holds = "NO"
-                    c.notes.append("probe: " + phases[phase]["probe"])
+                    c.notes.append("probe: " + phases[name]["probe"])
 
     rows = [("host", "check", "documented", "got", "holds", "notes")]
     rows += [(NAME, f"{c.phase}/{c.name} {c.what}", c.documented, c.got, c.holds, "; ".join(c.notes)) for c in checks]
-    print()
-    print_table(rows)
     bad = [f"{c.phase}/{c.name}" for c in checks if c.holds != "yes"]
-    seconds = round(time.monotonic() - started, 1)
     summary = (
         f"{NAME}: {len(checks) - len(bad)} of {len(checks)} checks as documented (first text requests equal"
         f" `generate`, the host's defects seen)" + (f"; not as documented: {', '.join(bad)}" if bad else "")
     )
-    record = {
-        "host": HOST.label,
-        "versions": vers,
-        "compass_compat": str(Path(compass_compat.__file__).parent),
-        "revision": revision,
-        "max_tokens": args.max_tokens,
-        "seconds": seconds,
-        "reference": reference,
-        "prompt_ids": ids,
-        "phases": phases,
-        "checks": [asdict(c) for c in checks],
-        "failed": bad,
-        "summary": summary,
-    }
-    write_report(
-        out, record, [f"- phase `{n}`: `{i['command']}`; probe: {i['probe']}" for n, i in phases.items()], rows
-    )
-    print()
-    log(NAME, f"{summary} in {seconds} s; details {out / 'results.json'}")
-    return 1 if bad else 0
+    checked = [asdict(c) for c in checks]
+    return finish(run, phases, rows, bad, summary, reference=reference, prompt_ids=ids, checks=checked)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,10 @@
 #                               mlx>=0.31.2,<0.32. mlx-cuda-13 is removed (its CUDA libraries stay,
 #                               unused); mflux's requirement is left unmet (off the chat path).
 # and compass-compat installed editable (--no-deps) on top. Multi-GB (torch, CUDA libraries).
-#
 # Usage: scripts/hosts/omni/env.sh   (PYTHON=python3.x to choose the interpreter)
-set -euo pipefail
-HOST=omni
-HOST_SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
-source "$(dirname "$0")/../common/env.sh"
-ENV_DIR="$root/.venvs/omni-0.5.3"
+ENV_NAME=omni-0.5.3
 SPEC="mlx-omni-server==0.5.3 mlx[cpu] then mlx[cpu]==0.31.2 without mlx-cuda-13"
+REQUIRE="mlx_omni_server mlx_vlm mlx_lm -- mlx-omni-server"
 REPORT_NAMES="mlx-omni-server mlx mlx-cpu mlx-vlm mlx-lm transformers"
 
 host_install() {
@@ -32,8 +28,7 @@ host_install() {
 }
 
 host_check() {
-  require_host mlx_omni_server mlx_vlm mlx_lm -- mlx-omni-server
   "$ENV_DIR/bin/python" -c "import mlx_lm, mlx.core as mx; print('[omni-env] mlx', mx.__version__, mx.default_device())"
 }
 
-build_host_env
+source "$(dirname "$0")/../common/env.sh"

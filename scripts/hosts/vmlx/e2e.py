@@ -1,21 +1,14 @@
 #!/usr/bin/env python3
-"""End to end: vMLX 1.6.81 (`vmlx serve`) serving compass-compat's default checkpoint through the
-opt-in hook, every answer checked against `python -m compass_compat generate` for the same messages.
+"""End to end: vMLX 1.6.81 (`vmlx serve`) against `python -m compass_compat generate`
+(scripts/hosts/common/e2e.py; run by scripts/hosts/vmlx/run.sh).
 
-Run it with the environment's interpreter (scripts/hosts/vmlx/env.sh builds it):
-
-    .venvs/vmlx-1.6.81/bin/python scripts/hosts/vmlx/e2e.py [--source DIR]
-
-mlx-vlm 0.7.10 ships its own cohere_compass; the server runs with COMPASS_COMPAT_AUTOPATCH=1 alone,
-and the recorded verdicts make the vendored package live there (upstream's fails the checklist). It also runs with
-VMLX_GPU_KEEPALIVE=0: vMLX starts a "GPU keepalive" thread on its first request that makes an
-`mx.gpu` stream, which a CPU-only mlx does not have (a host defect; the variable is vMLX's own
-switch, docs/hosts.md). The request set is the standard one (scripts/hosts/common/e2e.py); every
-picture answer goes through vMLX's own decode (mllm_batch_generator.py), which passes absolute
-positions (cache offset + arange) and adds a request's MRoPE delta only for language models
-that declare `decode_positions_add_request_rope_delta = True`. Two server starts: vMLX's
-defaults (continuous batching, one sequence at a time) and `--max-num-seqs 4` (rows decoded
-together). Output: build/hosts/vmlx/{results.json,table.md,serve-*.log}.
+The server runs with VMLX_GPU_KEEPALIVE=0: vMLX starts a "GPU keepalive" thread on its first
+request that makes an `mx.gpu` stream, which a CPU-only mlx does not have (a host defect; the
+variable is vMLX's own switch, docs/hosts.md). Every picture answer goes through vMLX's own decode
+(mllm_batch_generator.py), which passes absolute positions (cache offset + arange) and adds a
+request's MRoPE delta only for language models that declare
+`decode_positions_add_request_rope_delta = True`. Two server starts: vMLX's defaults (continuous
+batching, one sequence at a time) and `--max-num-seqs 4` (rows decoded together).
 """
 
 from __future__ import annotations

@@ -6,25 +6,10 @@
 #                    SequenceStateMachine, which 0.32 no longer has): a host defect, avoided by
 #                    the pin (docs/hosts.md)
 #   mlx[cpu]         Linux needs the CPU backend package; vMLX only asks for `mlx`
-# and compass-compat installed editable (--no-deps) on top. mlx-vlm 0.7.10 ships its own
-# cohere_compass; the recorded verdicts make the vendored one live there (no flag).
-# Multi-GB (torch); build it niced, one environment at a time.
-#
+# and compass-compat installed editable (--no-deps) on top. Multi-GB (torch): build it niced.
 # Usage: scripts/hosts/vmlx/env.sh   (PYTHON=python3.x to choose the interpreter)
-set -euo pipefail
-HOST=vmlx
-HOST_SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
-source "$(dirname "$0")/../common/env.sh"
-ENV_DIR="$root/.venvs/vmlx-1.6.81"
-SPEC="vmlx==1.6.81 mlx-lm==0.31.3 mlx[cpu]"
+ENV_NAME=vmlx-1.6.81
+INSTALL=("vmlx==1.6.81" "mlx-lm==0.31.3" "mlx[cpu]")
+REQUIRE="vmlx_engine mlx_vlm mlx_lm torch -- vmlx"
 REPORT_NAMES="vmlx mlx mlx-cpu mlx-vlm mlx-lm transformers torch torchvision"
-
-host_install() {
-  "${pip[@]}" install -q "${cflags[@]}" "vmlx==1.6.81" "mlx-lm==0.31.3" "mlx[cpu]"
-}
-
-host_check() {
-  require_host vmlx_engine mlx_vlm mlx_lm torch -- vmlx
-}
-
-build_host_env
+source "$(dirname "$0")/../common/env.sh"

@@ -1,48 +1,50 @@
-"""In-process probe for the host end-to-end runs (scripts/hosts/common/e2e.py).
+"""In-process probe for the host runs (scripts/hosts/common/e2e.py) and the server tests.
 
-The runs put this folder on the host's PYTHONPATH, so Python imports this module at startup
-in the host's processes (after the .pth files, so after compass-compat's opt-in hook). It
-does nothing unless COMPASS_HOST_PROBE_DIR names a folder. Then a daemon thread waits until
-the host itself has imported ``mlx_vlm.models.cohere_compass`` (it never imports mlx-vlm or the
-model itself, so the host's import order and threads stay the host's) and writes
-``probe-<pid>.json`` there: which file that package was loaded from and
-``compass_compat.implementation_info()``, asked inside the host's process. Once the package is
-live it also counts, by wrapping the classes' methods (the host's code is not touched): every
-``VisionFeatureCache.get`` (hit or miss) and ``put`` (mlx-vlm's class or a host's vendored copy),
-with the entry count after each put, and every run of the vision tower (``Model.encode_image``,
-with the pictures' grids). After every counted call it writes ``probe-<pid>-vision.json`` (hosts
-may end without running atexit), at a clean exit ``probe-<pid>-exit.json``: those counts and the
-entry count of every ``VisionFeatureCache`` still alive. Counts, not the exit size, are the
-evidence: a host may clear its cache on shutdown (LM Studio's engine does). With
-COMPASS_HOST_PROBE_TRACE=1 it also logs every ``LanguageModel`` call (``probe-<pid>-lm.jsonl``).
+On the host's PYTHONPATH it is imported at startup (after compass-compat's .pth hook) and does
+nothing unless COMPASS_HOST_PROBE_DIR names a folder. Then, once the host itself has imported
+``mlx_vlm.models.cohere_compass``, it writes ``probe-<pid>.json`` there (the live file and
+``compass_compat.implementation_info()`` inside the host's process) and counts, by wrapping
+the classes' methods, every ``Model.encode_image`` and ``VisionFeatureCache`` get / put
+(``probe-<pid>-vision.json`` after each, ``probe-<pid>-exit.json`` at a clean exit, with the
+entries of every cache alive). COMPASS_HOST_PROBE_TRACE=1 also logs every ``LanguageModel`` call
+(``probe-<pid>-lm.jsonl``).
 """
 
 import os
 
 _DIR = os.environ.get("COMPASS_HOST_PROBE_DIR")
 _PACKAGE = "mlx_vlm.models.cohere_compass"
+_COUNTS = {"cache_get_hit": 0, "cache_get_miss": 0, "cache_put": 0, "entries_after_put": [], "tower_runs": []}
+_WRAPPED = set()
 
 
-def _watch(out_dir):
+def _write_json(name, record):
     import json
+
+    path = os.path.join(_DIR, name)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _watch():
     import sys
     import time
 
     pid = os.getpid()
-    record = {"pid": pid, "argv": sys.argv[:6], "compass_compat_loaded_by_host": False}
+    # The host's import order and threads stay the host's: wait for its import of the package.
     while _PACKAGE not in sys.modules or getattr(sys.modules[_PACKAGE], "__file__", None) is None:
         time.sleep(0.2)
     time.sleep(0.5)  # let the host's import of the package finish
-    record["compass_compat_loaded_by_host"] = "compass_compat" in sys.modules
-    record["live_file"] = getattr(sys.modules[_PACKAGE], "__file__", None)
+    record = {"pid": pid, "argv": sys.argv[:6], "compass_compat_loaded_by_host": "compass_compat" in sys.modules}
+    record["live_file"] = sys.modules[_PACKAGE].__file__
     try:
         import compass_compat
 
-        info = compass_compat.implementation_info()
         record["compass_compat_file"] = compass_compat.__file__
         record["info"] = {
             k: (str(v) if v is not None and not isinstance(v, (bool, int, float, str)) else v)
-            for k, v in vars(info).items()
+            for k, v in vars(compass_compat.implementation_info()).items()
         }
     except Exception as err:  # reported, never raised into the host
         record["error"] = f"{type(err).__name__}: {err}"
@@ -50,22 +52,10 @@ def _watch(out_dir):
         _count_vision_work(sys.modules[_PACKAGE])
     except Exception as err:  # reported, never raised into the host
         record["counting_error"] = f"{type(err).__name__}: {err}"
-    path = os.path.join(out_dir, f"probe-{pid}.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
-    os.replace(path + ".tmp", path)
+    _write_json(f"probe-{pid}.json", record)
     implementation = record.get("info", {}).get("implementation", record.get("error"))
-    print(
-        f"[compass-host-probe] pid {pid}: cohere_compass live = {implementation} ({record['live_file']})",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-_COUNTS = {"cache_get_hit": 0, "cache_get_miss": 0, "cache_put": 0, "entries_after_put": [], "tower_runs": []}
-
-
-_WRAPPED = set()
+    live = f"cohere_compass live = {implementation} ({record['live_file']})"
+    print(f"[compass-host-probe] pid {pid}: {live}", file=sys.stderr, flush=True)
 
 
 def _cache_classes():
@@ -80,18 +70,12 @@ def _cache_classes():
     return found
 
 
-def _dump_counts():
-    """probe-<pid>-vision.json after every counted call: hosts that end without atexit still leave it."""
-    import json
-
-    path = os.path.join(_DIR, f"probe-{os.getpid()}-vision.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"pid": os.getpid(), **_COUNTS}, f)
-    os.replace(path + ".tmp", path)
+def _counted():
+    # After every counted call: hosts that end without atexit still leave the counts.
+    _write_json(f"probe-{os.getpid()}-vision.json", {"pid": os.getpid(), **_COUNTS})
 
 
 def _count_vision_work(package):
-    """Wrap VisionFeatureCache.get/put and the live Model.encode_image to count calls."""
     import threading
     import time
 
@@ -99,18 +83,17 @@ def _count_vision_work(package):
         try:
             rows = value.tolist() if hasattr(value, "tolist") else value
             return [list(map(int, row)) for row in rows] if rows is not None else None
-        except (TypeError, ValueError, AttributeError, RuntimeError):  # a value logged as it is
+        except (TypeError, ValueError, AttributeError, RuntimeError):
             return "?"
 
-    model_cls = package.Model
-    encode = model_cls.encode_image
+    encode = package.Model.encode_image
 
     def counted_encode(self, pixel_values, image_grid_thw=None, *args, **kwargs):
         _COUNTS["tower_runs"].append(grids(image_grid_thw))
-        _dump_counts()
+        _counted()
         return encode(self, pixel_values, image_grid_thw, *args, **kwargs)
 
-    model_cls.encode_image = counted_encode
+    package.Model.encode_image = counted_encode
 
     def wrap(kind):
         get, put = kind.get, kind.put
@@ -118,20 +101,19 @@ def _count_vision_work(package):
         def counted_get(self, key):
             hit = get(self, key)
             _COUNTS["cache_get_hit" if hit is not None else "cache_get_miss"] += 1
-            _dump_counts()
+            _counted()
             return hit
 
         def counted_put(self, key, features):
             put(self, key, features)
             _COUNTS["cache_put"] += 1
             _COUNTS["entries_after_put"].append(len(self))
-            _dump_counts()
+            _counted()
 
         kind.get, kind.put = counted_get, counted_put
 
-    def wrap_cache():
-        # mlx-vlm's class, and copies of it a host vendors (Rapid-MLX:
-        # rapid_mlx.models.mlx_vlm_vendored.vision_cache); some import it late, or never.
+    def wrap_caches():
+        # Hosts import their cache class late or never (Rapid-MLX vendors a copy): keep looking.
         while True:
             for kind in _cache_classes():
                 if kind not in _WRAPPED:
@@ -139,26 +121,24 @@ def _count_vision_work(package):
                     wrap(kind)
             time.sleep(1.0)
 
-    threading.Thread(target=wrap_cache, name="compass-host-probe-cache", daemon=True).start()
+    threading.Thread(target=wrap_caches, name="compass-host-probe-cache", daemon=True).start()
     if os.environ.get("COMPASS_HOST_PROBE_TRACE"):
         _trace_language_model(package)
 
 
 def _trace_language_model(package):
-    """COMPASS_HOST_PROBE_TRACE=1: one line per LanguageModel call (what the host passes, what
-    delta the model has to go on) in probe-<pid>-lm.jsonl, for tracing a wrong answer."""
+    """One line per LanguageModel call: what the host passes and the delta the model has on hand."""
     import json
     import sys
 
-    lm_cls = package.LanguageModel
-    call = lm_cls.__call__
+    call = package.LanguageModel.__call__
     stored = getattr(sys.modules.get(package.__name__ + ".positions"), "KEPT", "compass_positions")
     path = os.path.join(_DIR, f"probe-{os.getpid()}-lm.jsonl")
 
     def rows(value):
         try:
             return value.reshape(-1).tolist() if value is not None else None
-        except (TypeError, ValueError, AttributeError, RuntimeError):  # a value logged as its type
+        except (TypeError, ValueError, AttributeError, RuntimeError):
             return repr(type(value))
 
     def traced(self, inputs=None, inputs_embeds=None, mask=None, cache=None, **kwargs):
@@ -166,6 +146,7 @@ def _trace_language_model(package):
         offset = getattr(first, "offset", None)
         given = kwargs.get("position_ids")
         visual = kwargs.get("visual_pos_masks")
+        two_d = visual is not None and visual.ndim == 2
         line = {
             "B_L": list((inputs_embeds if inputs_embeds is not None else inputs).shape[:2]),
             "cache": type(first).__name__ if first is not None else None,
@@ -179,15 +160,13 @@ def _trace_language_model(package):
             "stored_delta_on_cache": rows(getattr(getattr(first, stored, None), "delta", None)),
             "module_rope_deltas": rows(self._rope_deltas),
             "position_rows": rows(kwargs.get("position_rows")),
-            # a decode step's input ids, one per row (the tokens each row was fed)
-            "ids": rows(inputs) if inputs is not None and inputs.shape[-1] == 1 else None,
-            # per row: vision tokens in this forward's slice of visual_pos_masks, and whether
-            # its last column is one (a prefill cut inside a picture)
-            "visual_tokens": rows(visual.sum(axis=-1)) if visual is not None and visual.ndim == 2 else None,
-            "visual_last": rows(visual[:, -1]) if visual is not None and visual.ndim == 2 else None,
+            "ids": rows(inputs) if inputs is not None and inputs.shape[-1] == 1 else None,  # a decode step's
+            # per row: vision tokens in this slice, and whether its last column is one (a cut inside a picture)
+            "visual_tokens": rows(visual.sum(axis=-1)) if two_d else None,
+            "visual_last": rows(visual[:, -1]) if two_d else None,
         }
         try:
-            out = call(self, inputs, inputs_embeds, mask, cache, **kwargs)
+            return call(self, inputs, inputs_embeds, mask, cache, **kwargs)
         except Exception as err:
             line["error"] = f"{type(err).__name__}: {err}"
             raise
@@ -195,12 +174,11 @@ def _trace_language_model(package):
             line["stored_delta_after"] = rows(getattr(getattr(first, stored, None), "delta", None))
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
-        return out
 
-    lm_cls.__call__ = traced
+    package.LanguageModel.__call__ = traced
 
 
-def _at_exit(out_dir):
+def _at_exit():
     import gc
     import json
     import sys
@@ -209,7 +187,7 @@ def _at_exit(out_dir):
         return
     kinds = tuple(_cache_classes())
     sizes = [len(obj) for obj in gc.get_objects() if isinstance(obj, kinds)] if kinds else []
-    with open(os.path.join(out_dir, f"probe-{os.getpid()}-exit.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(_DIR, f"probe-{os.getpid()}-exit.json"), "w", encoding="utf-8") as f:
         json.dump({"pid": os.getpid(), "vision_feature_cache_entries": sizes, **_COUNTS}, f)
 
 
@@ -218,5 +196,5 @@ if _DIR:
     import threading
 
     os.makedirs(_DIR, exist_ok=True)
-    atexit.register(_at_exit, _DIR)
-    threading.Thread(target=_watch, args=(_DIR,), name="compass-host-probe", daemon=True).start()
+    atexit.register(_at_exit)
+    threading.Thread(target=_watch, name="compass-host-probe", daemon=True).start()
