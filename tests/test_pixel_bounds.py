@@ -110,14 +110,27 @@ def test_published_layouts_give_the_measured_counts():
         assert {n: r["tokens"] for n, r in entry["images"].items()} == {"224x224": 49, "4032x3024": 3710}
 
 
+# The 4032 x 3024 picture takes seconds a call and one of three grids in every case without call
+# kwargs: its whole output is compared in the first such case of each grid and in every case with call
+# kwargs (a call's size is resolved apart from the image processor's own); the other cases' token
+# counts are test_bounds_match_the_recorded_reference's.
+BIG = "4032x3024"
+WHOLE_BIG = {
+    tuple(map(tuple, e["images"][BIG]["grid"])): case
+    for case, e in reversed(FIXTURE["cases"].items())
+    if not e["call_kwargs"]
+}
+
+
 @pytest.mark.parametrize("case", list(rec.CASES))
 def test_processor_matches_the_recorded_reference(case, folders, images):
     warnings.simplefilter("ignore", FutureWarning)
     processor, call_kwargs = ours(folders[rec.CASES[case][0]], case)
     for name, image in images.items():
-        assert_matches_summary(
-            run_ours(processor, image, call_kwargs), FIXTURE["cases"][case]["images"][name], f"{case} {name}"
-        )
+        want = FIXTURE["cases"][case]["images"][name]
+        if name == BIG and not call_kwargs and case not in WHOLE_BIG.values():
+            continue
+        assert_matches_summary(run_ours(processor, image, call_kwargs), want, f"{case} {name}")
 
 
 @pytest.mark.parametrize("case", list(rec.CASES))
