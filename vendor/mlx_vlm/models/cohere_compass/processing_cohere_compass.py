@@ -1,5 +1,4 @@
-"""Torch-free processor for cohere_compass: tokenizer loading (one BOS), chat template, prompt
-expansion (images, and videos with their timestamps) and ``CohereCompassProcessor``.
+"""Torch-free processor for cohere_compass: tokenizer (one BOS), chat template, prompt expansion.
 
 transformers' ``CohereCompassProcessor`` is the reference; how each mlx-vlm pin drives a processor
 and where this departs from the reference: docs/processor.md.
@@ -26,6 +25,7 @@ from .image_processing_cohere_compass import (
     read_pixel_bounds,
 )
 from .video_processing_cohere_compass import (
+    DEFAULT_FALLBACK_FPS,
     INSTANCE_ONLY_KEYS,
     NO_FPS_TIMESTAMP_WARNING,
     VIDEO_PROCESSOR_KEYS,
@@ -77,13 +77,9 @@ VIDEO_TOKEN = "<|VIDEO_PAD|>"
 
 
 def _count_video_tokens(text) -> int:
-    texts = (
-        [text]
-        if isinstance(text, str)
-        else text
-        if isinstance(text, (list, tuple))
-        else ()
-    )
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, (list, tuple)):
+        return 0
     return sum(t.count(VIDEO_TOKEN) for t in texts if isinstance(t, str))
 
 
@@ -99,16 +95,8 @@ def _media(conversation) -> tuple:
             if part.get("type") == "image" or "image" in part or "image_url" in part:
                 images.append(_image_source(part))
             elif part.get("type") == "video" or "video" in part:
-                videos.append(
-                    next(
-                        (
-                            part[k]
-                            for k in ("video", "url", "path")
-                            if part.get(k) is not None
-                        ),
-                        None,
-                    )
-                )
+                keys = [k for k in ("video", "url", "path") if part.get(k) is not None]
+                videos.append(part[keys[0]] if keys else None)
     return images, videos
 
 
@@ -143,12 +131,8 @@ def _load_tokenizer(path: Path):
 
 def without_double_bos(tokenizer):
     """Make ``tokenizer`` skip its own BOS when the text already starts with it (the chat template
-    writes one) and refuse text holding the video token (no video can come with it).
-
-    The instance's class is swapped for a subclass (same state, same name), so every caller of this
-    tokenizer gets the fix; the processor tokenizes its expanded text through
-    ``_compass_encode_expanded``, which skips the video check.
-    """
+    writes one) and refuse text holding the video token (no video can come with it); its class is
+    swapped for a subclass, so every holder gets it (``_compass_encode_expanded``: no video check)."""
     base = type(tokenizer)
     if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
         return tokenizer
@@ -197,8 +181,7 @@ def without_double_bos(tokenizer):
 
 
 def _subclass(base: type, **attrs) -> type:
-    """A subclass of ``base`` under its name with ``attrs``: swapped in as an instance's class, so
-    every holder of the instance (and its copies) gets them."""
+    """A subclass of ``base`` under its own name, with ``attrs``."""
     return type(
         base.__name__,
         (base,),
@@ -222,23 +205,12 @@ def _skipping_class(base: type) -> type:
 
 
 def skipping_padding_ids(detokenizer, vocab_size: int):
-    """``detokenizer`` with an ``add_token`` that ignores ids >= ``vocab_size``, as transformers'
-    ``decode`` does; everything else is the object's own. Its class is swapped for a subclass, as
-    in :func:`without_double_bos`, so ``copy()`` keeps the guard."""
+    """``detokenizer`` ignoring ids >= ``vocab_size``, as transformers' ``decode`` does; its class is
+    swapped for a subclass, so ``copy()`` keeps the guard."""
     if detokenizer is None or getattr(detokenizer, "_compass_skips_padding_ids", False):
         return detokenizer
-    try:
-        detokenizer._compass_vocab_size = int(vocab_size)
-        detokenizer.__class__ = _skipping_class(type(detokenizer))
-    except (
-        TypeError,
-        AttributeError,
-    ) as err:  # a C type or __slots__: cannot carry the guard
-        logger.warning(
-            "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
-            type(detokenizer).__name__,
-            err,
-        )
+    detokenizer._compass_vocab_size = int(vocab_size)
+    detokenizer.__class__ = _skipping_class(type(detokenizer))
     return detokenizer
 
 
@@ -326,10 +298,8 @@ class CohereCompassProcessor:
         image_processor = CohereCompassImageProcessor.from_dict(
             bounds.image_config, **overrides
         )
-        if (
-            bounds.call_defaults
-        ):  # what a call without kwargs uses, so num_image_tokens agrees
-            image_processor = image_processor.with_settings(bounds.call_defaults)
+        # What a call without kwargs uses, so num_image_tokens agrees.
+        image_processor = image_processor.with_settings(bounds.call_defaults)
         video_processor = CohereCompassVideoProcessor.from_pretrained(
             path, **video_overrides
         )
@@ -341,13 +311,8 @@ class CohereCompassProcessor:
         chat_template = kwargs.pop("chat_template", None) or load_chat_template(
             path, tokenizer
         )
-        if (
-            getattr(tokenizer, "chat_template", None) is None
-            and chat_template is not None
-        ):
-            tokenizer.chat_template = (
-                chat_template  # for callers that template via the tokenizer
-            )
+        if getattr(tokenizer, "chat_template", None) is None:
+            tokenizer.chat_template = chat_template  # for callers templating through it
         return cls(
             image_processor=image_processor,
             tokenizer=tokenizer,
@@ -370,17 +335,13 @@ class CohereCompassProcessor:
             )
         return [str(path)]
 
-    @property
-    def model_input_names(self) -> List[str]:
-        return [
-            "input_ids",
-            "attention_mask",
-            "mm_token_type_ids",
-            "pixel_values",
-            "image_grid_thw",
-            "pixel_values_videos",
-            "video_grid_thw",
-        ]
+    model_input_names = [
+        "input_ids",
+        "attention_mask",
+        "mm_token_type_ids",
+        *CohereCompassImageProcessor.model_input_names,
+        *CohereCompassVideoProcessor.model_input_names,
+    ]
 
     def __call__(
         self,
@@ -524,7 +485,7 @@ class CohereCompassProcessor:
             rate = sampled.fps
             if rate is None:
                 warn_video_settings(NO_FPS_TIMESTAMP_WARNING)
-                rate = 24
+                rate = DEFAULT_FALLBACK_FPS
             seconds = timestamps(sampled.frames_indices, rate, temporal)
             block = (
                 self.vision_start_token
@@ -625,9 +586,3 @@ class CohereCompassProcessor:
 
     def decode(self, *args, **kwargs):
         return self.tokenizer.decode(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
-            f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
-        )

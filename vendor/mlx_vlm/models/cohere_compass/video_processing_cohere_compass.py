@@ -1,7 +1,7 @@
-"""Torch-free video processor for cohere_compass: settings files, frame sampling, resize, patchify.
+"""Torch-free video processor for cohere_compass.
 
-transformers' ``CohereCompassVideoProcessor`` is the reference; what it does and where this departs
-from it (uint8 frames only, pre-sampled frames, per-video fps lists): docs/processor.md.
+transformers' ``CohereCompassVideoProcessor`` is the reference; where this departs from it:
+docs/processor.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from .image_processing_cohere_compass import (
     checked_values,
     patchify,
     positive_int,
-    read_json,
     smart_resize,
 )
 from .uint8_resize import resize_frames
@@ -80,22 +79,6 @@ def warn_video_settings(message: str) -> None:
     warnings.warn(message, VideoSettingsWarning, stacklevel=2)
 
 
-def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
-    """(settings dict, its file name): processor_config.json's ``video_processor`` block, else
-    video_preprocessor_config.json, else preprocessor_config.json."""
-    folder = Path(folder)
-    processor_config = read_json(folder / "processor_config.json")
-    if isinstance(processor_config, dict) and "video_processor" in processor_config:
-        return dict(
-            processor_config["video_processor"]
-        ), "processor_config.json video_processor"
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        config = read_json(folder / name)
-        if config is not None:
-            return dict(config), name
-    return {}, None
-
-
 def smart_resize_video(
     num_frames: int,
     height: int,
@@ -138,23 +121,17 @@ class _Frames:
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
         is_list = isinstance(video, (list, tuple))
-        if is_list:
-            self.frames, shape = self._checked_list(list(video))
-        else:
-            self.frames = (
-                video if isinstance(video, np.ndarray) else _as_array(video, position)
-            )
+        self.frames = list(video) if is_list else _as_array(video, position)
+        if not is_list:
             if self.frames.ndim != 4:
                 raise VideoInputError(
                     f"video {position} is an array of shape {self.frames.shape}; pass (frames, height, width, 3) or "
                     "(frames, 3, height, width) uint8, or a list of RGB PIL images"
                 )
             _check_dtype(self.frames.dtype, position)
-            if self.frames.shape[0] == 0:
-                raise VideoInputError(
-                    f"video {position} has no frames; pass at least 2"
-                )
-            shape = self.frames.shape[1:]
+        if not len(self.frames):
+            raise VideoInputError(f"video {position} has no frames; pass at least 2")
+        shape = self._checked_list() if is_list else self.frames.shape[1:]
         # The reference's rule: channels first when the first axis could be channels (in a list, if
         # the last one cannot).
         self.channels_first = shape[0] == 3 and not (is_list and shape[-1] == 3)
@@ -165,12 +142,9 @@ class _Frames:
             )
         self.shape = shape
 
-    def _checked_list(self, frames: list) -> Tuple[list, tuple]:
-        """(frames, the shape of one): RGB PIL images or (H, W, 3) uint8 arrays, of one kind and size."""
-        if not frames:
-            raise VideoInputError(
-                f"video {self.position} has no frames; pass at least 2"
-            )
+    def _checked_list(self) -> tuple:
+        """The shape of one frame: RGB PIL images or (H, W, 3) uint8 arrays, one kind and size."""
+        frames = self.frames
         pil = isinstance(frames[0], Image.Image)
         shape = None
         for i, frame in enumerate(frames):
@@ -185,11 +159,7 @@ class _Frames:
                     f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
                 )
             if not pil:
-                frames[i] = frame = (
-                    frame
-                    if isinstance(frame, np.ndarray)
-                    else _as_array(frame, self.position)
-                )
+                frames[i] = frame = _as_array(frame, self.position)
                 if frame.ndim != 3:
                     raise VideoInputError(
                         f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames"
@@ -201,7 +171,7 @@ class _Frames:
                     f"{where} has shape {this} but frame 0 has {shape}; every frame of a video must have the same size"
                 )
             shape = this
-        return frames, shape
+        return shape
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -221,6 +191,8 @@ class _Frames:
 
 
 def _as_array(value: Any, position: int) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
     if not hasattr(value, "__array__") and not hasattr(value, "shape"):
         raise VideoInputError(
             f"video {position} is a {type(value).__name__}; pass a uint8 array (frames, height, width, 3) or "
@@ -385,7 +357,7 @@ class CohereCompassVideoProcessor(Settings):
     ) -> "CohereCompassVideoProcessor":
         """From a settings dict; ``kwargs`` that are settings override it (as transformers' from_dict)."""
         merged = {
-            **settings,
+            **dict(settings),
             **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS},
         }
         return cls(
@@ -395,8 +367,6 @@ class CohereCompassVideoProcessor(Settings):
                 if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"
             }
         )
-
-    settings_file = staticmethod(video_processor_settings)
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings, as ``save_pretrained`` writes them."""
@@ -413,9 +383,6 @@ class CohereCompassVideoProcessor(Settings):
         target.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
         return [str(target)]
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
-
     def sample_frames(
         self,
         metadata: Any,
@@ -424,12 +391,7 @@ class CohereCompassVideoProcessor(Settings):
         **kwargs,
     ) -> np.ndarray:
         """Indices of the frames the reference samples from a clip described by ``metadata``
-        (``total_num_frames`` and ``fps``; a dict, transformers' or mlx-vlm's ``VideoMetadata``).
-
-        ``num_frames`` and ``fps`` are mutually exclusive; with neither, ``self.num_frames`` or
-        ``self.fps``. ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's; other
-        kwargs are ignored, as in the reference.
-        """
+        (``total_num_frames``, ``fps``); ``min_frames`` / ``max_frames`` in ``kwargs`` apply."""
         indices, _ = self._sample(
             metadata,
             num_frames,
@@ -630,15 +592,11 @@ class CohereCompassVideoProcessor(Settings):
         metadata = batched_metadata(video_metadata, len(items))
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
-            if (
-                meta is None
-                and isinstance(fps, (list, tuple))
-                and self.reread_decoded is not None
-            ):
+            rate_list = isinstance(fps, (list, tuple))
+            if meta is None and rate_list and self.reread_decoded is not None:
+                # Frames a loader decoded from a file: the reference's frames of that file.
                 found = self.reread_decoded(video, vp, limits)
-                if (
-                    found is not None
-                ):  # frames a loader decoded from a file: the reference's frames of it
+                if found is not None:
                     video, meta = found
             frames = _Frames(video, position)
             sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
@@ -684,10 +642,8 @@ def batched_metadata(video_metadata, count: int) -> list:
         return [None] * count
     if not isinstance(video_metadata, (list, tuple)):
         video_metadata = [video_metadata]
-    if video_metadata and isinstance(
-        video_metadata[0], (list, tuple)
-    ):  # nested per prompt
-        video_metadata = [m for group in video_metadata for m in group]
+    if video_metadata and isinstance(video_metadata[0], (list, tuple)):
+        video_metadata = [m for group in video_metadata for m in group]  # per prompt
     if len(video_metadata) != count:
         raise VideoInputError(
             f"{len(video_metadata)} video_metadata entries were passed for {count} videos; pass one per video"
