@@ -216,49 +216,6 @@ def positive_int(name: str, value, kind: str = "image") -> int:
     return int(value)
 
 
-def checked_size(size: Dict[str, Any], kind: str = "image") -> Dict[str, int]:
-    """``size``'s two edges (min / max pixels), positive and in order."""
-    edges = {
-        edge: positive_int(
-            f"size.{edge}" + (f" ({key})" if kind == "image" else ""), size[edge], kind
-        )
-        for key, edge in _EDGE_OF.items()
-    }
-    if edges["shortest_edge"] > edges["longest_edge"]:
-        raise ValueError(
-            f"cohere_compass {kind} processor: `size.shortest_edge` ({edges['shortest_edge']}) exceeds "
-            f"`size.longest_edge` ({edges['longest_edge']})"
-        )
-    return edges
-
-
-def checked_values(rescale_factor, image_mean, image_std, kind: str = "image") -> tuple:
-    """(rescale_factor, mean, std): a positive number, then 3 finite numbers each, std without a zero."""
-    if (
-        isinstance(rescale_factor, bool)
-        or not isinstance(rescale_factor, numbers.Real)
-        or rescale_factor <= 0
-    ):
-        raise ValueError(
-            f"cohere_compass {kind} processor: `rescale_factor` must be positive, got {rescale_factor!r}"
-        )
-    channels = []
-    for name, value in (("image_mean", image_mean), ("image_std", image_std)):
-        values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
-        if len(values) != 3 or not all(
-            isinstance(v, numbers.Real) and math.isfinite(v) for v in values
-        ):
-            raise ValueError(
-                f"cohere_compass {kind} processor: `{name}` must be 3 finite numbers, got {value!r}"
-            )
-        channels.append([float(v) for v in values])
-    if 0.0 in channels[1]:
-        raise ValueError(
-            f"cohere_compass {kind} processor: `image_std` has a zero: {channels[1]}"
-        )
-    return float(rescale_factor), channels[0], channels[1]
-
-
 def flatten_images(images) -> list:
     """A flat list from one image, a list, a list of lists, or a 4-D array batch."""
     if isinstance(images, np.ndarray) and images.ndim == 4:
@@ -391,17 +348,56 @@ class Settings:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """From a local checkpoint folder or a settings file; ``kwargs`` as in ``from_dict``."""
+        """From a local checkpoint folder; ``kwargs`` as in ``from_dict``."""
         path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            settings = read_json(path) or {}
-        elif path.is_dir():
-            settings, _ = settings_file(path, cls.kind)
-        else:
+        if not path.is_dir():
             raise OSError(
                 f"{path} is not a local checkpoint folder (download it first)"
             )
-        return cls.from_dict(settings, **kwargs)
+        return cls.from_dict(settings_file(path, cls.kind)[0], **kwargs)
+
+    def _set_shared(self, given: Dict[str, Any]) -> None:
+        """Check and set the settings both processors take (``given``: __init__'s locals)."""
+        kind, error = self.kind, f"cohere_compass {self.kind} processor:"
+        self.size = {
+            edge: positive_int(
+                f"size.{edge}" + (f" ({key})" if kind == "image" else ""),
+                given["size"][edge],
+                kind,
+            )
+            for key, edge in _EDGE_OF.items()
+        }
+        if self.size["shortest_edge"] > self.size["longest_edge"]:
+            raise ValueError(
+                f"{error} `size.shortest_edge` ({self.size['shortest_edge']}) exceeds "
+                f"`size.longest_edge` ({self.size['longest_edge']})"
+            )
+        for name in ("patch_size", "temporal_patch_size", "merge_size"):
+            setattr(self, name, positive_int(name, given[name], kind))
+        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            setattr(self, name, bool(given[name]))
+        factor = given["rescale_factor"]
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, numbers.Real)
+            or factor <= 0
+        ):
+            raise ValueError(
+                f"{error} `rescale_factor` must be positive, got {factor!r}"
+            )
+        self.rescale_factor = float(factor)
+        for name in ("image_mean", "image_std"):
+            value = given[name]
+            values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+            if len(values) != 3 or not all(
+                isinstance(v, numbers.Real) and math.isfinite(v) for v in values
+            ):
+                raise ValueError(
+                    f"{error} `{name}` must be 3 finite numbers, got {value!r}"
+                )
+            setattr(self, name, [float(v) for v in values])
+        if 0.0 in self.image_std:
+            raise ValueError(f"{error} `image_std` has a zero: {self.image_std}")
 
     def with_settings(self, overrides: Dict[str, Any]):
         """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
@@ -462,24 +458,12 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
             },
             "image processor",
         )
-        self.size = checked_size(size)
-        self.patch_size = positive_int("patch_size", patch_size)
-        self.merge_size = positive_int("merge_size", merge_size)
-        self.temporal_patch_size = positive_int(
-            "temporal_patch_size", temporal_patch_size
-        )
+        self._set_shared(locals())
         if resample not in {int(r) for r in Image.Resampling}:
             raise ValueError(
                 f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}"
             )
         self.resample = int(resample)
-        self.rescale_factor, self.image_mean, self.image_std = checked_values(
-            rescale_factor, image_mean, image_std
-        )
-        self.do_resize = bool(do_resize)
-        self.do_rescale = bool(do_rescale)
-        self.do_normalize = bool(do_normalize)
-        self.do_convert_rgb = bool(do_convert_rgb)
 
     # Assignable, as on mlx-vlm's own image processors (hosts set them around a request).
     @property
@@ -586,8 +570,6 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
             )
             rows.append(patches)
             grids.append(grid)
-        if not rows:
-            raise ValueError("no images to process")
         data = {
             "pixel_values": np.concatenate(rows, axis=0),
             "image_grid_thw": np.asarray(grids, dtype=np.int64),

@@ -249,16 +249,8 @@ class CohereCompassProcessor:
         if video_defaults is None:
             video_defaults = _video_call_defaults(init_kwargs)
         self.video_defaults = dict(video_defaults)
-        self.image_processor = (
-            image_processor
-            if image_processor is not None
-            else CohereCompassImageProcessor()
-        )
-        self.video_processor = (
-            video_processor
-            if video_processor is not None
-            else CohereCompassVideoProcessor()
-        )
+        self.image_processor = image_processor or CohereCompassImageProcessor()
+        self.video_processor = video_processor or CohereCompassVideoProcessor()
         self.tokenizer = without_double_bos(tokenizer)
         self.chat_template = (
             chat_template
@@ -290,9 +282,7 @@ class CohereCompassProcessor:
                 f"{path} is not a local checkpoint folder (download it first)"
             )
         video_overrides = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
-        overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
-        for key in video_overrides:
-            kwargs.pop(key, None)
+        overrides = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         tokenizer = _load_tokenizer(path)
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
         image_processor = CohereCompassImageProcessor.from_dict(
@@ -308,7 +298,7 @@ class CohereCompassProcessor:
             **_video_call_defaults(read_json(path / "tokenizer_config.json") or {}),
             **_video_call_defaults(video_overrides),
         }
-        chat_template = kwargs.pop("chat_template", None) or load_chat_template(
+        chat_template = kwargs.get("chat_template") or load_chat_template(
             path, tokenizer
         )
         if getattr(tokenizer, "chat_template", None) is None:
@@ -369,38 +359,30 @@ class CohereCompassProcessor:
             raise ValueError(
                 "CohereCompassProcessor needs text, images, videos or a mix"
             )
-        image_kwargs = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
-        video_kwargs = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
-        for key in {*image_kwargs, *video_kwargs}:
-            kwargs.pop(key)
+        call = {
+            "fps": fps,
+            "num_frames": num_frames,
+            "do_sample_frames": do_sample_frames,
+        }
+        given = {k: v for k, v in {**kwargs, **call}.items() if v is not None}
         image_kwargs = {
             **self.image_defaults,
-            **{k: v for k, v in image_kwargs.items() if v is not None},
+            **{k: v for k, v in given.items() if k in IMAGE_PROCESSOR_KEYS},
         }
         video_kwargs = {
             **self.video_defaults,
-            **{k: v for k, v in video_kwargs.items() if v is not None},
-            **{
-                k: v
-                for k, v in (("fps", fps), ("num_frames", num_frames))
-                if v is not None
-            },
+            **{k: v for k, v in given.items() if k in VIDEO_PROCESSOR_KEYS},
         }
-        if (
-            "num_frames" in video_kwargs
-            and fps is None
-            and self.video_defaults.get("fps") == video_kwargs.get("fps")
-        ):
-            video_kwargs.pop("fps", None)  # a call's num_frames beats an fps default
-        if do_sample_frames is not None:
-            video_kwargs["do_sample_frames"] = do_sample_frames
+        if "num_frames" in video_kwargs and fps is None:
+            video_kwargs.pop("fps", None)  # num_frames beats an fps default
         tokenizer_kwargs = {
-            k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs
+            k: v for k, v in kwargs.items() if k in _TOKENIZER_CALL_KEYS
         }
-        if kwargs:
+        known = {*IMAGE_PROCESSOR_KEYS, *VIDEO_PROCESSOR_KEYS, *_TOKENIZER_CALL_KEYS}
+        if set(kwargs) - known:
             logger.warning(
                 "CohereCompassProcessor ignores unsupported argument(s): %s",
-                sorted(kwargs),
+                sorted(set(kwargs) - known),
             )
 
         images = flatten_images(images) if images is not None else []

@@ -20,8 +20,6 @@ from .image_processing_cohere_compass import (
     SHARED_KEYS,
     Settings,
     batch_feature,
-    checked_size,
-    checked_values,
     patchify,
     positive_int,
     smart_resize,
@@ -79,37 +77,6 @@ def warn_video_settings(message: str) -> None:
     warnings.warn(message, VideoSettingsWarning, stacklevel=2)
 
 
-def smart_resize_video(
-    num_frames: int,
-    height: int,
-    width: int,
-    temporal_factor: int,
-    factor: int,
-    min_pixels: int,
-    max_pixels: int,
-) -> Tuple[int, int]:
-    """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels."""
-    if num_frames < temporal_factor:
-        raise VideoInputError(
-            f"a video needs at least {temporal_factor} frames (one temporal patch) after sampling, got {num_frames}; "
-            "pass more frames, or send a single frame as an image"
-        )
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    return smart_resize(
-        height,
-        width,
-        factor,
-        min_pixels,
-        max_pixels,
-        num_frames,
-        temporal_factor,
-        "video frame",
-        VideoInputError,
-    )
-
-
 class _Frames:
     """One video's frames, checked without copying; :meth:`take` returns (T, 3, H, W) uint8."""
 
@@ -143,29 +110,24 @@ class _Frames:
         self.shape = shape
 
     def _checked_list(self) -> tuple:
-        """The shape of one frame: RGB PIL images or (H, W, 3) uint8 arrays, one kind and size."""
-        frames = self.frames
-        pil = isinstance(frames[0], Image.Image)
+        """The shape of one frame: RGB PIL images or (H, W, 3) uint8 arrays, all one size."""
         shape = None
-        for i, frame in enumerate(frames):
+        for i, frame in enumerate(self.frames):
             where = f"video {self.position}: frame {i}"
-            if isinstance(frame, Image.Image) != pil:
-                kinds = "PIL images" if pil else "arrays"
-                raise VideoInputError(
-                    f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame"
-                )
-            if pil and frame.mode != "RGB":
-                raise VideoInputError(
-                    f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
-                )
-            if not pil:
-                frames[i] = frame = _as_array(frame, self.position)
+            if isinstance(frame, Image.Image):
+                if frame.mode != "RGB":
+                    raise VideoInputError(
+                        f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
+                    )
+                this = (frame.height, frame.width, 3)
+            else:
+                self.frames[i] = frame = _as_array(frame, self.position)
                 if frame.ndim != 3:
                     raise VideoInputError(
                         f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames"
                     )
                 _check_dtype(frame.dtype, self.position)
-            this = (frame.height, frame.width, 3) if pil else frame.shape
+                this = frame.shape
             if shape is not None and this != shape:
                 raise VideoInputError(
                     f"{where} has shape {this} but frame 0 has {shape}; every frame of a video must have the same size"
@@ -198,12 +160,7 @@ def _as_array(value: Any, position: int) -> np.ndarray:
             f"video {position} is a {type(value).__name__}; pass a uint8 array (frames, height, width, 3) or "
             "(frames, 3, height, width), or a list of RGB PIL images"
         )
-    try:
-        return np.asarray(value)
-    except Exception as err:  # e.g. an accelerator tensor numpy cannot read
-        raise VideoInputError(
-            f"video {position} ({type(value).__name__}) cannot be read as a numpy array: {err}; pass numpy frames"
-        ) from err
+    return np.asarray(value)
 
 
 def _check_dtype(dtype, position: int) -> None:
@@ -256,11 +213,7 @@ def timestamps(
     """Seconds of each temporal patch: the mean time of its first and last frame (indices
     padded by repeating the last, as the frames are), ``index / fps`` each."""
     indices = [int(i) for i in frames_indices]
-    if len(indices) % temporal_patch_size:
-        indices.extend(
-            indices[-1]
-            for _ in range(temporal_patch_size - len(indices) % temporal_patch_size)
-        )
+    indices += indices[-1:] * (-len(indices) % temporal_patch_size)
     seconds = [i / fps for i in indices]
     return [
         (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
@@ -314,26 +267,13 @@ class CohereCompassVideoProcessor(Settings):
             if size is not None
             else DEFAULT_SIZE
         )
-        self.size = checked_size(size, "video")
+        merge_size = kwargs.pop("spatial_merge_size", merge_size)
+        self._set_shared(locals())
         if int(resample) != BICUBIC:
             raise ValueError(
                 f"cohere_compass video processor: only bicubic resampling (3) is implemented, got {resample!r}"
             )
         self.resample = BICUBIC
-        self.do_resize = bool(do_resize)
-        self.do_rescale = bool(do_rescale)
-        self.do_normalize = bool(do_normalize)
-        self.rescale_factor, self.image_mean, self.image_std = checked_values(
-            rescale_factor, image_mean, image_std, "video"
-        )
-        self.do_convert_rgb = bool(do_convert_rgb)
-        self.patch_size = positive_int("patch_size", patch_size, "video")
-        self.temporal_patch_size = positive_int(
-            "temporal_patch_size", temporal_patch_size, "video"
-        )
-        self.merge_size = positive_int(
-            "merge_size", kwargs.pop("spatial_merge_size", merge_size), "video"
-        )
         self.min_frames = positive_int("min_frames", min_frames, "video")
         self.max_frames = positive_int("max_frames", max_frames, "video")
         self.do_sample_frames = bool(do_sample_frames)
@@ -421,22 +361,13 @@ class CohereCompassVideoProcessor(Settings):
             )
         total = int(total)
         source_fps = _rate("metadata fps", _field(metadata, "fps"))
-        min_frames = (
-            self.min_frames
-            if min_frames is None
-            else positive_int("min_frames", min_frames, "video")
-        )
-        max_frames = (
-            self.max_frames
-            if max_frames is None
-            else positive_int("max_frames", max_frames, "video")
+        min_frames, max_frames = (
+            getattr(self, name) if value is None else positive_int(name, value, "video")
+            for name, value in (("min_frames", min_frames), ("max_frames", max_frames))
         )
         if num_frames is None and fps is None:
-            num_frames, fps = (
-                (self.num_frames, None)
-                if self.num_frames is not None
-                else (None, self.fps)
-            )
+            num_frames = self.num_frames
+            fps = self.fps if num_frames is None else None
         if num_frames is None and fps is not None:
             fps = _rate("fps", fps)
             if source_fps is None:
@@ -512,6 +443,11 @@ class CohereCompassVideoProcessor(Settings):
                     f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
                 )
             return height, width
+        if num_frames < self.temporal_patch_size:
+            raise VideoInputError(
+                f"a video needs at least {self.temporal_patch_size} frames (one temporal patch) after sampling, "
+                f"got {num_frames}; pass more frames, or send a single frame as an image"
+            )
         max_pixels = self.size["longest_edge"]
         if self.cap_pixels_per_frame:
             frame_cap = self.max_video_tokens * factor * factor
@@ -520,14 +456,19 @@ class CohereCompassVideoProcessor(Settings):
                 int(self.size["shortest_edge"] * 1.05),
             )
             max_pixels = per_frame * num_frames
-        return smart_resize_video(
-            num_frames,
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        return smart_resize(
             height,
             width,
-            self.temporal_patch_size,
             factor,
             self.size["shortest_edge"],
             max_pixels,
+            num_frames,
+            self.temporal_patch_size,
+            "video frame",
+            VideoInputError,
         )
 
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
