@@ -40,9 +40,8 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: List[int] = field(default_factory=lambda: [8, 16, 24])
     rope_parameters: Optional[Dict[str, Any]] = None
-    rope_theta: Optional[float] = (
-        None  # rope_parameters' rope_theta, else this key, else 10000
-    )
+    # rope_parameters' rope_theta, else this key, else 10000.
+    rope_theta: Optional[float] = None
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "VisionConfig":

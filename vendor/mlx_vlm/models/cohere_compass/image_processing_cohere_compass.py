@@ -1,5 +1,4 @@
-"""Torch-free image processor for cohere_compass: pixel bounds, resize, patchify, the grid memo
-the model reads when a host passes no grid, and the checks both processors share.
+"""Torch-free image processor for cohere_compass, and what the video processor shares with it.
 
 transformers' ``CohereCompassImageProcessorPil`` is the reference (docs/processor.md).
 """
@@ -61,8 +60,7 @@ _EDGE_OF = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
 
 class PixelBounds(NamedTuple):
-    """Resolved bounds (unvalidated) and where each came from (``"tokenizer_config.json min_pixels"``);
-    the winning settings dict and its file; ``call_defaults``: the kwargs a call without kwargs gets."""
+    """Resolved bounds (unvalidated), their sources, the settings file, a bare call's kwargs."""
 
     min_pixels: Any
     max_pixels: Any
@@ -79,34 +77,33 @@ def apply_pixel_keys(
     source: str,
     sources: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Any]:
-    """``edges`` ({shortest_edge, longest_edge}) after ``values``' `size`, then min/max keys (None:
-    absent; a `size` that is not an object is left to validation); ``sources`` (edge -> label) updated."""
+    """``edges`` after ``values``' `size` (if an object), then its min/max keys (None: absent);
+    ``sources`` (edge -> label) updated."""
     edges = dict(edges)
-    labels = [
-        ("size", edge, f"{source} size.{edge}")
-        for edge in ("shortest_edge", "longest_edge")
-    ]
-    labels += [(key, edge, f"{source} {key}") for key, edge in _EDGE_OF.items()]
-    for key, edge, label in labels:
-        value = values.get(key)
-        if key == "size":
-            value = value.get(edge) if isinstance(value, dict) else None
+    size = values.get("size") if isinstance(values.get("size"), dict) else {}
+    given = [(f"size.{edge}", edge, size.get(edge)) for edge in _EDGE_OF.values()]
+    given += [(key, edge, values.get(key)) for key, edge in _EDGE_OF.items()]
+    for key, edge, value in given:
         if value is not None:
             edges[edge] = value
             if sources is not None:
-                sources[edge] = label
+                sources[edge] = f"{source} {key}"
     return edges
 
 
-def image_processor_settings(processor_config: Any, preprocessor_config: Any) -> tuple:
-    """(settings dict, its file): processor_config.json's ``image_processor`` block if the key is
-    there, else preprocessor_config.json."""
-    if isinstance(processor_config, dict) and "image_processor" in processor_config:
-        return processor_config[
-            "image_processor"
-        ], "processor_config.json image_processor"
-    if preprocessor_config is not None:
-        return preprocessor_config, "preprocessor_config.json"
+def settings_file(folder, kind: str = "image") -> tuple:
+    """(settings dict, its file) as transformers 5.24 picks it: processor_config.json's
+    ``<kind>_processor`` block if the key is there, else the first settings file present."""
+    folder = Path(folder)
+    block = f"{kind}_processor"
+    combined = read_json(folder / "processor_config.json")
+    if isinstance(combined, dict) and block in combined:
+        return combined[block], f"processor_config.json {block}"
+    names = ("video_preprocessor_config.json",) if kind == "video" else ()
+    for name in (*names, "preprocessor_config.json"):
+        config = read_json(folder / name)
+        if config is not None:
+            return config, name
     return {}, None
 
 
@@ -127,8 +124,8 @@ def resolve_pixel_bounds(
         }
 
     file_values = image_config if isinstance(image_config, dict) else {}
-    # Level 1: the settings file, from_pretrained kwargs over it. Level 2: tokenizer_config.json,
-    # from_pretrained kwargs (transformers hands them to the tokenizer too), then the call.
+    # Level 1: the file, from_pretrained kwargs over it. Level 2: tokenizer_config.json,
+    # from_pretrained kwargs (transformers hands them to the tokenizer too), the call.
     level1 = {
         k: (file_values.get(k), image_config_file or "image processor")
         for k in PIXEL_BOUND_KEYS
@@ -141,9 +138,8 @@ def resolve_pixel_bounds(
     sources = {"shortest_edge": "default", "longest_edge": "default"}
     edges = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
     for level in (level1, {**defaults, **given(call_kwargs, "call")}):
-        for key in (
-            k for k in PIXEL_BOUND_KEYS if k in level
-        ):  # key by key: each edge keeps its source
+        # Key by key: each edge keeps its own source.
+        for key in (k for k in PIXEL_BOUND_KEYS if k in level):
             value, source = level[key]
             edges = apply_pixel_keys(edges, {key: value}, source, sources)
     return PixelBounds(
@@ -162,7 +158,7 @@ def read_pixel_bounds(
 ) -> PixelBounds:
     """:func:`resolve_pixel_bounds` on a checkpoint folder's three files."""
     folder = Path(folder)
-    config, name = CohereCompassImageProcessor.settings_file(folder)
+    config, name = settings_file(folder)
     return resolve_pixel_bounds(
         config,
         name,
@@ -220,52 +216,6 @@ def positive_int(name: str, value, kind: str = "image") -> int:
     return int(value)
 
 
-def checked_size(size: Dict[str, Any], kind: str = "image") -> Dict[str, int]:
-    """``size``'s two edges (min / max pixels), positive and in order."""
-    alias = (
-        {"shortest_edge": " (min_pixels)", "longest_edge": " (max_pixels)"}
-        if kind == "image"
-        else {}
-    )
-    edges = {
-        e: positive_int(f"size.{e}{alias.get(e, '')}", size[e], kind)
-        for e in ("shortest_edge", "longest_edge")
-    }
-    if edges["shortest_edge"] > edges["longest_edge"]:
-        raise ValueError(
-            f"cohere_compass {kind} processor: `size.shortest_edge` ({edges['shortest_edge']}) exceeds "
-            f"`size.longest_edge` ({edges['longest_edge']})"
-        )
-    return edges
-
-
-def checked_values(rescale_factor, image_mean, image_std, kind: str = "image") -> tuple:
-    """(rescale_factor, mean, std): a positive number, then 3 finite numbers each, std without a zero."""
-    if (
-        isinstance(rescale_factor, bool)
-        or not isinstance(rescale_factor, numbers.Real)
-        or rescale_factor <= 0
-    ):
-        raise ValueError(
-            f"cohere_compass {kind} processor: `rescale_factor` must be positive, got {rescale_factor!r}"
-        )
-    channels = []
-    for name, value in (("image_mean", image_mean), ("image_std", image_std)):
-        values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
-        if len(values) != 3 or not all(
-            isinstance(v, numbers.Real) and math.isfinite(v) for v in values
-        ):
-            raise ValueError(
-                f"cohere_compass {kind} processor: `{name}` must be 3 finite numbers, got {value!r}"
-            )
-        channels.append([float(v) for v in values])
-    if 0.0 in channels[1]:
-        raise ValueError(
-            f"cohere_compass {kind} processor: `image_std` has a zero: {channels[1]}"
-        )
-    return float(rescale_factor), channels[0], channels[1]
-
-
 def flatten_images(images) -> list:
     """A flat list from one image, a list, a list of lists, or a 4-D array batch."""
     if isinstance(images, np.ndarray) and images.ndim == 4:
@@ -279,20 +229,13 @@ def flatten_images(images) -> list:
 
 
 def _open_file(path) -> Image.Image:
-    """The decoded image with EXIF orientation applied, still in the file's mode (then converted to
-    plain RGB, as transformers' load_image does)."""
+    """The decoded image with EXIF orientation applied, in the file's mode."""
     try:
         with Image.open(path) as im:
             im.load()  # open() is lazy; truncation and decode errors surface here
             return ImageOps.exif_transpose(im)
-    except (
-        Exception
-    ) as err:  # PIL raises OSError, SyntaxError, DecompressionBombError, ...
+    except Exception as err:  # OSError, SyntaxError, DecompressionBombError, ...
         raise ValueError(f"cannot read image file {os.fspath(path)!r}: {err}") from err
-
-
-def _plain_rgb(image: Image.Image) -> Image.Image:
-    return image.convert("RGB")
 
 
 def _composite_rgb(image: Image.Image) -> Image.Image:
@@ -332,31 +275,28 @@ def _rgb_array(array: np.ndarray, do_convert_rgb: bool) -> np.ndarray:
     return array
 
 
-def _source(image, do_convert_rgb: bool):
-    """(PIL image, converter to RGB or None) of a file, a PIL image or a uint8 array."""
+def _rgb_image(image, do_convert_rgb: bool) -> Image.Image:
+    """A file (as transformers' load_image reads it), a PIL image or a uint8 array, in RGB."""
     if isinstance(image, (str, os.PathLike)):
         if str(image).startswith(("http://", "https://")):
             raise ValueError(
                 f"image URLs are not fetched here; load the image first: {image}"
             )
         opened = _open_file(image)
-        return opened, None if opened.mode == "RGB" else _plain_rgb
+        return opened if opened.mode == "RGB" else opened.convert("RGB")
     if isinstance(image, Image.Image):
         has_alpha = (
             "A" in image.getbands() or image.info.get("transparency") is not None
         )
         if image.mode == "RGB" and not (do_convert_rgb and has_alpha):
-            return image, None
+            return image
         if not do_convert_rgb:
             raise ValueError(
                 f"expected an RGB image, got PIL mode {image.mode!r} with do_convert_rgb=False"
             )
-        return image, _composite_rgb if has_alpha else _plain_rgb
-    if isinstance(
-        image, np.ndarray
-    ):  # uint8: PIL reads it in place (to_pil_image copies)
-        array = np.ascontiguousarray(_rgb_array(image, do_convert_rgb))
-        return Image.fromarray(array), None
+        return _composite_rgb(image) if has_alpha else image.convert("RGB")
+    if isinstance(image, np.ndarray):  # uint8: PIL reads it in place
+        return Image.fromarray(np.ascontiguousarray(_rgb_array(image, do_convert_rgb)))
     raise ValueError(
         f"unsupported image of type {type(image).__name__}; pass a PIL image, a numpy array or a file path"
     )
@@ -401,26 +341,63 @@ def batch_feature(data: Dict[str, Any], return_tensors) -> BatchFeature:
 
 
 class Settings:
-    """What the image and video processors share: built from a folder's settings file, copied
-    with overrides. ``keys`` are the settings a call may override."""
+    """What both processors share; ``keys`` are the settings a call may override."""
 
     kind = "image"
     keys: Sequence[str] = IMAGE_PROCESSOR_KEYS
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """From a local checkpoint folder (its settings file picked as transformers 5.24 picks it)
-        or a settings file; ``kwargs`` as in ``from_dict``."""
+        """From a local checkpoint folder; ``kwargs`` as in ``from_dict``."""
         path = Path(pretrained_model_name_or_path)
-        if path.is_file():
-            settings = read_json(path) or {}
-        elif path.is_dir():
-            settings, _ = cls.settings_file(path)
-        else:
+        if not path.is_dir():
             raise OSError(
                 f"{path} is not a local checkpoint folder (download it first)"
             )
-        return cls.from_dict(settings, **kwargs)
+        return cls.from_dict(settings_file(path, cls.kind)[0], **kwargs)
+
+    def _set_shared(self, given: Dict[str, Any]) -> None:
+        """Check and set the settings both processors take (``given``: __init__'s locals)."""
+        kind, error = self.kind, f"cohere_compass {self.kind} processor:"
+        self.size = {
+            edge: positive_int(
+                f"size.{edge}" + (f" ({key})" if kind == "image" else ""),
+                given["size"][edge],
+                kind,
+            )
+            for key, edge in _EDGE_OF.items()
+        }
+        if self.size["shortest_edge"] > self.size["longest_edge"]:
+            raise ValueError(
+                f"{error} `size.shortest_edge` ({self.size['shortest_edge']}) exceeds "
+                f"`size.longest_edge` ({self.size['longest_edge']})"
+            )
+        for name in ("patch_size", "temporal_patch_size", "merge_size"):
+            setattr(self, name, positive_int(name, given[name], kind))
+        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            setattr(self, name, bool(given[name]))
+        factor = given["rescale_factor"]
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, numbers.Real)
+            or factor <= 0
+        ):
+            raise ValueError(
+                f"{error} `rescale_factor` must be positive, got {factor!r}"
+            )
+        self.rescale_factor = float(factor)
+        for name in ("image_mean", "image_std"):
+            value = given[name]
+            values = [value] * 3 if isinstance(value, numbers.Real) else list(value)
+            if len(values) != 3 or not all(
+                isinstance(v, numbers.Real) and math.isfinite(v) for v in values
+            ):
+                raise ValueError(
+                    f"{error} `{name}` must be 3 finite numbers, got {value!r}"
+                )
+            setattr(self, name, [float(v) for v in values])
+        if 0.0 in self.image_std:
+            raise ValueError(f"{error} `image_std` has a zero: {self.image_std}")
 
     def with_settings(self, overrides: Dict[str, Any]):
         """A copy with ``overrides`` (None values mean "not given"; a `size` updates the edges it names)."""
@@ -481,29 +458,16 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
             },
             "image processor",
         )
-        self.size = checked_size(size)
-        self.patch_size = positive_int("patch_size", patch_size)
-        self.merge_size = positive_int("merge_size", merge_size)
-        self.temporal_patch_size = positive_int(
-            "temporal_patch_size", temporal_patch_size
-        )
+        self._set_shared(locals())
         if resample not in {int(r) for r in Image.Resampling}:
             raise ValueError(
                 f"cohere_compass image processor: `resample` must be a PIL filter id, got {resample!r}"
             )
         self.resample = int(resample)
-        self.rescale_factor, self.image_mean, self.image_std = checked_values(
-            rescale_factor, image_mean, image_std
-        )
-        self.do_resize = bool(do_resize)
-        self.do_rescale = bool(do_rescale)
-        self.do_normalize = bool(do_normalize)
-        self.do_convert_rgb = bool(do_convert_rgb)
 
+    # Assignable, as on mlx-vlm's own image processors (hosts set them around a request).
     @property
     def min_pixels(self) -> int:
-        """Smallest pixel count an image is resized to (``size["shortest_edge"]``); assignable, as
-        on mlx-vlm's own image processors (hosts set it around a request)."""
         return self.size["shortest_edge"]
 
     @min_pixels.setter
@@ -512,7 +476,6 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
 
     @property
     def max_pixels(self) -> int:
-        """Largest pixel count an image is resized to (``size["longest_edge"]``); assignable."""
         return self.size["longest_edge"]
 
     @max_pixels.setter
@@ -529,13 +492,6 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
         unused = {k: v for k, v in kwargs.items() if k not in IMAGE_PROCESSOR_KEYS}
         processor = cls(**{**config, **overrides})
         return (processor, unused) if return_unused else processor
-
-    @staticmethod
-    def settings_file(folder: Path) -> tuple:
-        return image_processor_settings(
-            read_json(folder / "processor_config.json"),
-            read_json(folder / "preprocessor_config.json"),
-        )
 
     def resized_shape(self, height: int, width: int) -> tuple:
         factor = self.patch_size * self.merge_size
@@ -583,10 +539,8 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
                     input_data_format=ChannelDimension.LAST,
                 )
         else:
-            pil, convert = _source(image, self.do_convert_rgb)
+            pil = _rgb_image(image, self.do_convert_rgb)
             target_h, target_w = self.resized_shape(pil.height, pil.width)
-            if convert is not None:
-                pil = convert(pil)
             if self.do_resize:
                 # Resize in PIL before any float copy: memory stays bounded by the uint8 input.
                 pil = pil.resize((target_w, target_h), resample=self.resample)
@@ -616,8 +570,6 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
             )
             rows.append(patches)
             grids.append(grid)
-        if not rows:
-            raise ValueError("no images to process")
         data = {
             "pixel_values": np.concatenate(rows, axis=0),
             "image_grid_thw": np.asarray(grids, dtype=np.int64),
@@ -629,8 +581,7 @@ class CohereCompassImageProcessor(Settings, BaseImageProcessor):
 
 
 class GridMemo:
-    """Patch grids of recently processed pixel_values, by content (bounded, thread-safe): for hosts
-    that pass ``encode_image`` pixels without their grid."""
+    """Grids of recent pixel_values by content, for hosts that call ``encode_image`` without."""
 
     def __init__(self, capacity: int = 32):
         self.capacity = capacity

@@ -1,5 +1,4 @@
-"""Torch-free processor for cohere_compass: tokenizer loading (one BOS), chat template, prompt
-expansion (images, and videos with their timestamps) and ``CohereCompassProcessor``.
+"""Torch-free processor for cohere_compass: tokenizer (one BOS), chat template, prompt expansion.
 
 transformers' ``CohereCompassProcessor`` is the reference; how each mlx-vlm pin drives a processor
 and where this departs from the reference: docs/processor.md.
@@ -26,6 +25,7 @@ from .image_processing_cohere_compass import (
     read_pixel_bounds,
 )
 from .video_processing_cohere_compass import (
+    DEFAULT_FALLBACK_FPS,
     INSTANCE_ONLY_KEYS,
     NO_FPS_TIMESTAMP_WARNING,
     VIDEO_PROCESSOR_KEYS,
@@ -77,13 +77,9 @@ VIDEO_TOKEN = "<|VIDEO_PAD|>"
 
 
 def _count_video_tokens(text) -> int:
-    texts = (
-        [text]
-        if isinstance(text, str)
-        else text
-        if isinstance(text, (list, tuple))
-        else ()
-    )
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, (list, tuple)):
+        return 0
     return sum(t.count(VIDEO_TOKEN) for t in texts if isinstance(t, str))
 
 
@@ -99,16 +95,8 @@ def _media(conversation) -> tuple:
             if part.get("type") == "image" or "image" in part or "image_url" in part:
                 images.append(_image_source(part))
             elif part.get("type") == "video" or "video" in part:
-                videos.append(
-                    next(
-                        (
-                            part[k]
-                            for k in ("video", "url", "path")
-                            if part.get(k) is not None
-                        ),
-                        None,
-                    )
-                )
+                keys = [k for k in ("video", "url", "path") if part.get(k) is not None]
+                videos.append(part[keys[0]] if keys else None)
     return images, videos
 
 
@@ -143,12 +131,8 @@ def _load_tokenizer(path: Path):
 
 def without_double_bos(tokenizer):
     """Make ``tokenizer`` skip its own BOS when the text already starts with it (the chat template
-    writes one) and refuse text holding the video token (no video can come with it).
-
-    The instance's class is swapped for a subclass (same state, same name), so every caller of this
-    tokenizer gets the fix; the processor tokenizes its expanded text through
-    ``_compass_encode_expanded``, which skips the video check.
-    """
+    writes one) and refuse text holding the video token (no video can come with it); its class is
+    swapped for a subclass, so every holder gets it (``_compass_encode_expanded``: no video check)."""
     base = type(tokenizer)
     if getattr(base, "_compass_no_double_bos", False) or not tokenizer.bos_token:
         return tokenizer
@@ -197,8 +181,7 @@ def without_double_bos(tokenizer):
 
 
 def _subclass(base: type, **attrs) -> type:
-    """A subclass of ``base`` under its name with ``attrs``: swapped in as an instance's class, so
-    every holder of the instance (and its copies) gets them."""
+    """A subclass of ``base`` under its own name, with ``attrs``."""
     return type(
         base.__name__,
         (base,),
@@ -222,23 +205,12 @@ def _skipping_class(base: type) -> type:
 
 
 def skipping_padding_ids(detokenizer, vocab_size: int):
-    """``detokenizer`` with an ``add_token`` that ignores ids >= ``vocab_size``, as transformers'
-    ``decode`` does; everything else is the object's own. Its class is swapped for a subclass, as
-    in :func:`without_double_bos`, so ``copy()`` keeps the guard."""
+    """``detokenizer`` ignoring ids >= ``vocab_size``, as transformers' ``decode`` does; its class is
+    swapped for a subclass, so ``copy()`` keeps the guard."""
     if detokenizer is None or getattr(detokenizer, "_compass_skips_padding_ids", False):
         return detokenizer
-    try:
-        detokenizer._compass_vocab_size = int(vocab_size)
-        detokenizer.__class__ = _skipping_class(type(detokenizer))
-    except (
-        TypeError,
-        AttributeError,
-    ) as err:  # a C type or __slots__: cannot carry the guard
-        logger.warning(
-            "cohere_compass: cannot guard %s against ids past the tokenizer (%s); sampling such an id may fail in it",
-            type(detokenizer).__name__,
-            err,
-        )
+    detokenizer._compass_vocab_size = int(vocab_size)
+    detokenizer.__class__ = _skipping_class(type(detokenizer))
     return detokenizer
 
 
@@ -277,16 +249,8 @@ class CohereCompassProcessor:
         if video_defaults is None:
             video_defaults = _video_call_defaults(init_kwargs)
         self.video_defaults = dict(video_defaults)
-        self.image_processor = (
-            image_processor
-            if image_processor is not None
-            else CohereCompassImageProcessor()
-        )
-        self.video_processor = (
-            video_processor
-            if video_processor is not None
-            else CohereCompassVideoProcessor()
-        )
+        self.image_processor = image_processor or CohereCompassImageProcessor()
+        self.video_processor = video_processor or CohereCompassVideoProcessor()
         self.tokenizer = without_double_bos(tokenizer)
         self.chat_template = (
             chat_template
@@ -318,18 +282,14 @@ class CohereCompassProcessor:
                 f"{path} is not a local checkpoint folder (download it first)"
             )
         video_overrides = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
-        overrides = {k: kwargs.pop(k) for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
-        for key in video_overrides:
-            kwargs.pop(key, None)
+        overrides = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
         tokenizer = _load_tokenizer(path)
         bounds = read_pixel_bounds(path, load_kwargs=overrides)
         image_processor = CohereCompassImageProcessor.from_dict(
             bounds.image_config, **overrides
         )
-        if (
-            bounds.call_defaults
-        ):  # what a call without kwargs uses, so num_image_tokens agrees
-            image_processor = image_processor.with_settings(bounds.call_defaults)
+        # What a call without kwargs uses, so num_image_tokens agrees.
+        image_processor = image_processor.with_settings(bounds.call_defaults)
         video_processor = CohereCompassVideoProcessor.from_pretrained(
             path, **video_overrides
         )
@@ -338,16 +298,11 @@ class CohereCompassProcessor:
             **_video_call_defaults(read_json(path / "tokenizer_config.json") or {}),
             **_video_call_defaults(video_overrides),
         }
-        chat_template = kwargs.pop("chat_template", None) or load_chat_template(
+        chat_template = kwargs.get("chat_template") or load_chat_template(
             path, tokenizer
         )
-        if (
-            getattr(tokenizer, "chat_template", None) is None
-            and chat_template is not None
-        ):
-            tokenizer.chat_template = (
-                chat_template  # for callers that template via the tokenizer
-            )
+        if getattr(tokenizer, "chat_template", None) is None:
+            tokenizer.chat_template = chat_template  # for callers templating through it
         return cls(
             image_processor=image_processor,
             tokenizer=tokenizer,
@@ -370,17 +325,13 @@ class CohereCompassProcessor:
             )
         return [str(path)]
 
-    @property
-    def model_input_names(self) -> List[str]:
-        return [
-            "input_ids",
-            "attention_mask",
-            "mm_token_type_ids",
-            "pixel_values",
-            "image_grid_thw",
-            "pixel_values_videos",
-            "video_grid_thw",
-        ]
+    model_input_names = [
+        "input_ids",
+        "attention_mask",
+        "mm_token_type_ids",
+        *CohereCompassImageProcessor.model_input_names,
+        *CohereCompassVideoProcessor.model_input_names,
+    ]
 
     def __call__(
         self,
@@ -408,38 +359,30 @@ class CohereCompassProcessor:
             raise ValueError(
                 "CohereCompassProcessor needs text, images, videos or a mix"
             )
-        image_kwargs = {k: kwargs[k] for k in IMAGE_PROCESSOR_KEYS if k in kwargs}
-        video_kwargs = {k: kwargs[k] for k in VIDEO_PROCESSOR_KEYS if k in kwargs}
-        for key in {*image_kwargs, *video_kwargs}:
-            kwargs.pop(key)
+        call = {
+            "fps": fps,
+            "num_frames": num_frames,
+            "do_sample_frames": do_sample_frames,
+        }
+        given = {k: v for k, v in {**kwargs, **call}.items() if v is not None}
         image_kwargs = {
             **self.image_defaults,
-            **{k: v for k, v in image_kwargs.items() if v is not None},
+            **{k: v for k, v in given.items() if k in IMAGE_PROCESSOR_KEYS},
         }
         video_kwargs = {
             **self.video_defaults,
-            **{k: v for k, v in video_kwargs.items() if v is not None},
-            **{
-                k: v
-                for k, v in (("fps", fps), ("num_frames", num_frames))
-                if v is not None
-            },
+            **{k: v for k, v in given.items() if k in VIDEO_PROCESSOR_KEYS},
         }
-        if (
-            "num_frames" in video_kwargs
-            and fps is None
-            and self.video_defaults.get("fps") == video_kwargs.get("fps")
-        ):
-            video_kwargs.pop("fps", None)  # a call's num_frames beats an fps default
-        if do_sample_frames is not None:
-            video_kwargs["do_sample_frames"] = do_sample_frames
+        if "num_frames" in video_kwargs and fps is None:
+            video_kwargs.pop("fps", None)  # num_frames beats an fps default
         tokenizer_kwargs = {
-            k: kwargs.pop(k) for k in _TOKENIZER_CALL_KEYS if k in kwargs
+            k: v for k, v in kwargs.items() if k in _TOKENIZER_CALL_KEYS
         }
-        if kwargs:
+        known = {*IMAGE_PROCESSOR_KEYS, *VIDEO_PROCESSOR_KEYS, *_TOKENIZER_CALL_KEYS}
+        if set(kwargs) - known:
             logger.warning(
                 "CohereCompassProcessor ignores unsupported argument(s): %s",
-                sorted(kwargs),
+                sorted(set(kwargs) - known),
             )
 
         images = flatten_images(images) if images is not None else []
@@ -524,7 +467,7 @@ class CohereCompassProcessor:
             rate = sampled.fps
             if rate is None:
                 warn_video_settings(NO_FPS_TIMESTAMP_WARNING)
-                rate = 24
+                rate = DEFAULT_FALLBACK_FPS
             seconds = timestamps(sampled.frames_indices, rate, temporal)
             block = (
                 self.vision_start_token
@@ -625,9 +568,3 @@ class CohereCompassProcessor:
 
     def decode(self, *args, **kwargs):
         return self.tokenizer.decode(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(image_processor={type(self.image_processor).__name__}, "
-            f"tokenizer={type(self.tokenizer).__name__}, image_token_id={self.image_token_id})"
-        )

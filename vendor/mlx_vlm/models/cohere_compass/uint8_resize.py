@@ -11,9 +11,8 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-_BLOCK = (
-    16  # output pixels per matrix product: the band of inputs they read stays small
-)
+# Output pixels per matrix product: the band of inputs they read stays small.
+_BLOCK = 16
 
 
 def _cubic(x: float) -> float:
@@ -27,9 +26,8 @@ def _cubic(x: float) -> float:
 
 
 class _AxisWeights(NamedTuple):
-    bands: Tuple[
-        Tuple[int, int, int, int, np.ndarray], ...
-    ]  # (out start, out stop, in start, in stop, weights)
+    # (out start, out stop, in start, in stop, weights) per band of output pixels.
+    bands: Tuple[Tuple[int, int, int, int, np.ndarray], ...]
     precision: int
 
 

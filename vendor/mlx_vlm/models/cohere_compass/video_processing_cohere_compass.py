@@ -1,7 +1,7 @@
-"""Torch-free video processor for cohere_compass: settings files, frame sampling, resize, patchify.
+"""Torch-free video processor for cohere_compass.
 
-transformers' ``CohereCompassVideoProcessor`` is the reference; what it does and where this departs
-from it (uint8 frames only, pre-sampled frames, per-video fps lists): docs/processor.md.
+transformers' ``CohereCompassVideoProcessor`` is the reference; where this departs from it:
+docs/processor.md.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from .image_processing_cohere_compass import (
     SHARED_KEYS,
     Settings,
     batch_feature,
-    checked_size,
-    checked_values,
     patchify,
     positive_int,
-    read_json,
     smart_resize,
 )
 from .uint8_resize import resize_frames
@@ -80,53 +77,6 @@ def warn_video_settings(message: str) -> None:
     warnings.warn(message, VideoSettingsWarning, stacklevel=2)
 
 
-def video_processor_settings(folder) -> Tuple[dict, Optional[str]]:
-    """(settings dict, its file name): processor_config.json's ``video_processor`` block, else
-    video_preprocessor_config.json, else preprocessor_config.json."""
-    folder = Path(folder)
-    processor_config = read_json(folder / "processor_config.json")
-    if isinstance(processor_config, dict) and "video_processor" in processor_config:
-        return dict(
-            processor_config["video_processor"]
-        ), "processor_config.json video_processor"
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        config = read_json(folder / name)
-        if config is not None:
-            return dict(config), name
-    return {}, None
-
-
-def smart_resize_video(
-    num_frames: int,
-    height: int,
-    width: int,
-    temporal_factor: int,
-    factor: int,
-    min_pixels: int,
-    max_pixels: int,
-) -> Tuple[int, int]:
-    """Target (height, width), multiples of ``factor``, with t*h*w within [min, max] pixels."""
-    if num_frames < temporal_factor:
-        raise VideoInputError(
-            f"a video needs at least {temporal_factor} frames (one temporal patch) after sampling, got {num_frames}; "
-            "pass more frames, or send a single frame as an image"
-        )
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    return smart_resize(
-        height,
-        width,
-        factor,
-        min_pixels,
-        max_pixels,
-        num_frames,
-        temporal_factor,
-        "video frame",
-        VideoInputError,
-    )
-
-
 class _Frames:
     """One video's frames, checked without copying; :meth:`take` returns (T, 3, H, W) uint8."""
 
@@ -138,23 +88,17 @@ class _Frames:
                 "Decode the file first (e.g. mlx_vlm.utils.load_video) and pass the frames with their metadata."
             )
         is_list = isinstance(video, (list, tuple))
-        if is_list:
-            self.frames, shape = self._checked_list(list(video))
-        else:
-            self.frames = (
-                video if isinstance(video, np.ndarray) else _as_array(video, position)
-            )
+        self.frames = list(video) if is_list else _as_array(video, position)
+        if not is_list:
             if self.frames.ndim != 4:
                 raise VideoInputError(
                     f"video {position} is an array of shape {self.frames.shape}; pass (frames, height, width, 3) or "
                     "(frames, 3, height, width) uint8, or a list of RGB PIL images"
                 )
             _check_dtype(self.frames.dtype, position)
-            if self.frames.shape[0] == 0:
-                raise VideoInputError(
-                    f"video {position} has no frames; pass at least 2"
-                )
-            shape = self.frames.shape[1:]
+        if not len(self.frames):
+            raise VideoInputError(f"video {position} has no frames; pass at least 2")
+        shape = self._checked_list() if is_list else self.frames.shape[1:]
         # The reference's rule: channels first when the first axis could be channels (in a list, if
         # the last one cannot).
         self.channels_first = shape[0] == 3 and not (is_list and shape[-1] == 3)
@@ -165,43 +109,31 @@ class _Frames:
             )
         self.shape = shape
 
-    def _checked_list(self, frames: list) -> Tuple[list, tuple]:
-        """(frames, the shape of one): RGB PIL images or (H, W, 3) uint8 arrays, of one kind and size."""
-        if not frames:
-            raise VideoInputError(
-                f"video {self.position} has no frames; pass at least 2"
-            )
-        pil = isinstance(frames[0], Image.Image)
+    def _checked_list(self) -> tuple:
+        """The shape of one frame: RGB PIL images or (H, W, 3) uint8 arrays, all one size."""
         shape = None
-        for i, frame in enumerate(frames):
+        for i, frame in enumerate(self.frames):
             where = f"video {self.position}: frame {i}"
-            if isinstance(frame, Image.Image) != pil:
-                kinds = "PIL images" if pil else "arrays"
-                raise VideoInputError(
-                    f"{where} is a {type(frame).__name__} among {kinds}; pass one kind of frame"
-                )
-            if pil and frame.mode != "RGB":
-                raise VideoInputError(
-                    f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
-                )
-            if not pil:
-                frames[i] = frame = (
-                    frame
-                    if isinstance(frame, np.ndarray)
-                    else _as_array(frame, self.position)
-                )
+            if isinstance(frame, Image.Image):
+                if frame.mode != "RGB":
+                    raise VideoInputError(
+                        f"{where} is a PIL image in mode {frame.mode!r}; convert the frames with frame.convert('RGB') first"
+                    )
+                this = (frame.height, frame.width, 3)
+            else:
+                self.frames[i] = frame = _as_array(frame, self.position)
                 if frame.ndim != 3:
                     raise VideoInputError(
                         f"{where} has shape {frame.shape}; pass (height, width, 3) uint8 frames"
                     )
                 _check_dtype(frame.dtype, self.position)
-            this = (frame.height, frame.width, 3) if pil else frame.shape
+                this = frame.shape
             if shape is not None and this != shape:
                 raise VideoInputError(
                     f"{where} has shape {this} but frame 0 has {shape}; every frame of a video must have the same size"
                 )
             shape = this
-        return frames, shape
+        return shape
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -221,17 +153,14 @@ class _Frames:
 
 
 def _as_array(value: Any, position: int) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
     if not hasattr(value, "__array__") and not hasattr(value, "shape"):
         raise VideoInputError(
             f"video {position} is a {type(value).__name__}; pass a uint8 array (frames, height, width, 3) or "
             "(frames, 3, height, width), or a list of RGB PIL images"
         )
-    try:
-        return np.asarray(value)
-    except Exception as err:  # e.g. an accelerator tensor numpy cannot read
-        raise VideoInputError(
-            f"video {position} ({type(value).__name__}) cannot be read as a numpy array: {err}; pass numpy frames"
-        ) from err
+    return np.asarray(value)
 
 
 def _check_dtype(dtype, position: int) -> None:
@@ -284,11 +213,7 @@ def timestamps(
     """Seconds of each temporal patch: the mean time of its first and last frame (indices
     padded by repeating the last, as the frames are), ``index / fps`` each."""
     indices = [int(i) for i in frames_indices]
-    if len(indices) % temporal_patch_size:
-        indices.extend(
-            indices[-1]
-            for _ in range(temporal_patch_size - len(indices) % temporal_patch_size)
-        )
+    indices += indices[-1:] * (-len(indices) % temporal_patch_size)
     seconds = [i / fps for i in indices]
     return [
         (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
@@ -342,26 +267,13 @@ class CohereCompassVideoProcessor(Settings):
             if size is not None
             else DEFAULT_SIZE
         )
-        self.size = checked_size(size, "video")
+        merge_size = kwargs.pop("spatial_merge_size", merge_size)
+        self._set_shared(locals())
         if int(resample) != BICUBIC:
             raise ValueError(
                 f"cohere_compass video processor: only bicubic resampling (3) is implemented, got {resample!r}"
             )
         self.resample = BICUBIC
-        self.do_resize = bool(do_resize)
-        self.do_rescale = bool(do_rescale)
-        self.do_normalize = bool(do_normalize)
-        self.rescale_factor, self.image_mean, self.image_std = checked_values(
-            rescale_factor, image_mean, image_std, "video"
-        )
-        self.do_convert_rgb = bool(do_convert_rgb)
-        self.patch_size = positive_int("patch_size", patch_size, "video")
-        self.temporal_patch_size = positive_int(
-            "temporal_patch_size", temporal_patch_size, "video"
-        )
-        self.merge_size = positive_int(
-            "merge_size", kwargs.pop("spatial_merge_size", merge_size), "video"
-        )
         self.min_frames = positive_int("min_frames", min_frames, "video")
         self.max_frames = positive_int("max_frames", max_frames, "video")
         self.do_sample_frames = bool(do_sample_frames)
@@ -385,7 +297,7 @@ class CohereCompassVideoProcessor(Settings):
     ) -> "CohereCompassVideoProcessor":
         """From a settings dict; ``kwargs`` that are settings override it (as transformers' from_dict)."""
         merged = {
-            **settings,
+            **dict(settings),
             **{k: v for k, v in kwargs.items() if k in VIDEO_PROCESSOR_KEYS},
         }
         return cls(
@@ -395,8 +307,6 @@ class CohereCompassVideoProcessor(Settings):
                 if k in VIDEO_PROCESSOR_KEYS or k == "spatial_merge_size"
             }
         )
-
-    settings_file = staticmethod(video_processor_settings)
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings, as ``save_pretrained`` writes them."""
@@ -413,9 +323,6 @@ class CohereCompassVideoProcessor(Settings):
         target.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
         return [str(target)]
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({json.dumps(self.to_dict(), sort_keys=True)})"
-
     def sample_frames(
         self,
         metadata: Any,
@@ -424,12 +331,7 @@ class CohereCompassVideoProcessor(Settings):
         **kwargs,
     ) -> np.ndarray:
         """Indices of the frames the reference samples from a clip described by ``metadata``
-        (``total_num_frames`` and ``fps``; a dict, transformers' or mlx-vlm's ``VideoMetadata``).
-
-        ``num_frames`` and ``fps`` are mutually exclusive; with neither, ``self.num_frames`` or
-        ``self.fps``. ``min_frames`` / ``max_frames`` in ``kwargs`` replace the instance's; other
-        kwargs are ignored, as in the reference.
-        """
+        (``total_num_frames``, ``fps``); ``min_frames`` / ``max_frames`` in ``kwargs`` apply."""
         indices, _ = self._sample(
             metadata,
             num_frames,
@@ -459,22 +361,13 @@ class CohereCompassVideoProcessor(Settings):
             )
         total = int(total)
         source_fps = _rate("metadata fps", _field(metadata, "fps"))
-        min_frames = (
-            self.min_frames
-            if min_frames is None
-            else positive_int("min_frames", min_frames, "video")
-        )
-        max_frames = (
-            self.max_frames
-            if max_frames is None
-            else positive_int("max_frames", max_frames, "video")
+        min_frames, max_frames = (
+            getattr(self, name) if value is None else positive_int(name, value, "video")
+            for name, value in (("min_frames", min_frames), ("max_frames", max_frames))
         )
         if num_frames is None and fps is None:
-            num_frames, fps = (
-                (self.num_frames, None)
-                if self.num_frames is not None
-                else (None, self.fps)
-            )
+            num_frames = self.num_frames
+            fps = self.fps if num_frames is None else None
         if num_frames is None and fps is not None:
             fps = _rate("fps", fps)
             if source_fps is None:
@@ -550,6 +443,11 @@ class CohereCompassVideoProcessor(Settings):
                     f"with do_resize=False the frame sides must be multiples of {factor}, got {width}x{height}"
                 )
             return height, width
+        if num_frames < self.temporal_patch_size:
+            raise VideoInputError(
+                f"a video needs at least {self.temporal_patch_size} frames (one temporal patch) after sampling, "
+                f"got {num_frames}; pass more frames, or send a single frame as an image"
+            )
         max_pixels = self.size["longest_edge"]
         if self.cap_pixels_per_frame:
             frame_cap = self.max_video_tokens * factor * factor
@@ -558,14 +456,19 @@ class CohereCompassVideoProcessor(Settings):
                 int(self.size["shortest_edge"] * 1.05),
             )
             max_pixels = per_frame * num_frames
-        return smart_resize_video(
-            num_frames,
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        return smart_resize(
             height,
             width,
-            self.temporal_patch_size,
             factor,
             self.size["shortest_edge"],
             max_pixels,
+            num_frames,
+            self.temporal_patch_size,
+            "video frame",
+            VideoInputError,
         )
 
     def _normalized(self, frames: np.ndarray) -> np.ndarray:
@@ -630,15 +533,11 @@ class CohereCompassVideoProcessor(Settings):
         metadata = batched_metadata(video_metadata, len(items))
         rows, grids, settled = [], [], []
         for position, (video, meta) in enumerate(zip(items, metadata)):
-            if (
-                meta is None
-                and isinstance(fps, (list, tuple))
-                and self.reread_decoded is not None
-            ):
+            rate_list = isinstance(fps, (list, tuple))
+            if meta is None and rate_list and self.reread_decoded is not None:
+                # Frames a loader decoded from a file: the reference's frames of that file.
                 found = self.reread_decoded(video, vp, limits)
-                if (
-                    found is not None
-                ):  # frames a loader decoded from a file: the reference's frames of it
+                if found is not None:
                     video, meta = found
             frames = _Frames(video, position)
             sampled = vp._settle(frames, meta, do_sample, fps, num_frames, limits)
@@ -684,10 +583,8 @@ def batched_metadata(video_metadata, count: int) -> list:
         return [None] * count
     if not isinstance(video_metadata, (list, tuple)):
         video_metadata = [video_metadata]
-    if video_metadata and isinstance(
-        video_metadata[0], (list, tuple)
-    ):  # nested per prompt
-        video_metadata = [m for group in video_metadata for m in group]
+    if video_metadata and isinstance(video_metadata[0], (list, tuple)):
+        video_metadata = [m for group in video_metadata for m in group]  # per prompt
     if len(video_metadata) != count:
         raise VideoInputError(
             f"{len(video_metadata)} video_metadata entries were passed for {count} videos; pass one per video"
