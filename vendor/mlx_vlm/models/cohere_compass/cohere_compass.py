@@ -528,18 +528,16 @@ def fit_training_batch(
         types = types[:, :L]
     elif T < L and not np.isin(np.asarray(input_ids)[:, T:], media_ids).any():
         types = np.pad(types, ((0, 0), (0, L - T)))
-    elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
+    elif T > L and np.array_equal(
+        types[:, T - L :] != 0, np.isin(np.asarray(input_ids), media_ids)
+    ):
         # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
         # suffix after the restored prefix and passes the whole prompt's types and mask.
-        whole_mask = (
-            np.asarray(mask)
-            if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T
-            else None
-        )
+        whole_mask = None
+        if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
+            whole_mask, mask = np.asarray(mask), mask[:, T - L :]
         whole = WholePrompt(types, whole_mask, T - L)
         types = types[:, T - L :]
-        if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
-            mask = mask[:, T - L :]
     elif T != L:
         raise ValueError(
             f"mm_token_type_ids has {T} columns but input_ids has {L}. Pass the processor's outputs of one "
@@ -547,12 +545,6 @@ def fit_training_batch(
             "token) or add text after the prompt (padding, a sampled completion)"
         )
     return pixel_values, pixel_values_videos, types, mask, whole
-
-
-def _is_prompt_tail(types: np.ndarray, input_ids, media_ids) -> bool:
-    """Whether ``types`` marks exactly the image and video tokens of ``input_ids`` (same shape)."""
-    media = np.isin(np.asarray(input_ids), media_ids)
-    return types.shape == media.shape and np.array_equal(types != 0, media)
 
 
 def _pixel_fingerprint(pixels: Any, grid: Any) -> str:

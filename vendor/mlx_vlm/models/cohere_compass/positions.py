@@ -310,8 +310,7 @@ def resolve(
     """The positions of this forward, by the table above."""
     _repair(lm, cache, B, L, kwargs)
     request = _read(cache)
-    if not request.batched:
-        refuse_a_ring_cut_after_it_wrapped(cache, request)
+    refuse_a_ring_cut_after_it_wrapped(cache, request)
     explicit = (
         None
         if position_ids is None
