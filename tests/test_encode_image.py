@@ -38,7 +38,7 @@ def test_images_encoded_separately_then_concatenated(model, reference):
         model.encode_image(mx.array(pv[: patches[0]]), grid[:1]),
         model.encode_image(mx.array(pv[patches[0] :]), grid[1:]),
     ]
-    joined = compass.concat_image_features(parts)
+    joined = mx.concatenate(parts, axis=0)
     assert mx.array_equal(logits(model, case), logits(model, case, cached_image_features=joined))
     # what hosts do with the array: per-image rows, then mx.concatenate on axis 0
     split = compass.split_image_features(joined, grid, merge_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,9 +19,11 @@ from .positions import (
     VIDEO,
     Issued,
     get_rope_index,
+    leading_padding,
     padding_rows,
     publish_prompt,
     text_zeros,
+    token_types,
 )
 from .vision import VisionModel
 
@@ -36,7 +38,7 @@ _CACHED = {IMAGE: "cached_image_features", VIDEO: "cached_video_features"}
 
 @dataclass
 class CompassEmbeddings:
-    """What ``get_input_embeddings`` hands to the decoder (mlx-vlm 0.3.10-0.4.4's
+    """What ``get_input_embeddings`` hands to the decoder (mlx-vlm 0.4.4's
     ``InputEmbeddingsFeatures`` has no position fields)."""
 
     inputs_embeds: mx.array
@@ -56,13 +58,9 @@ class CompassEmbeddings:
         cls, inputs_embeds: mx.array, mask: Optional[Any], **given: Any
     ) -> "CompassEmbeddings":
         """The per-row fields filled in from the others."""
-        B, L = inputs_embeds.shape[:2]
+        B = inputs_embeds.shape[0]
         padding = padding_rows(mask)
-        lead = (
-            np.zeros(B, np.int32)
-            if padding is None
-            else np.where(padding.any(axis=1), padding.argmax(axis=1), L)
-        )
+        lead = np.zeros(B, np.int32) if padding is None else leading_padding(padding)
         has_positions = given.get("position_ids") is not None
         return cls(
             inputs_embeds=inputs_embeds,
@@ -103,12 +101,9 @@ class Model(nn.Module):
     def encode_image(
         self, pixel_values: mx.array, image_grid_thw: Optional[Any] = None
     ) -> mx.array:
-        """The vision tower's output for a host to cache and replay: ``[N, (1 + K) * D]``, a row per
-        merged image token of all images (``pixel_values`` ``[patches, C*T*P*P]``, grids
-        ``image_grid_thw`` ``[images, 3]``) in prompt order, the merger's features then the K
-        deepstack ones. Split per image with :func:`split_image_features`, join with
-        ``mx.concatenate(..., axis=0)``; ``get_input_embeddings(..., cached_image_features=...)``
-        gives the uncached path's logits exactly."""
+        """The vision tower's output for a host to cache and replay as
+        ``cached_image_features``: ``[N, (1 + K) * D]``, a row per merged image token in prompt
+        order, the merger's features then the K deepstack ones."""
         if image_grid_thw is None:
             # mlx-vlm 0.4.x-0.6.x call encode_image(pixel_values) with no grid.
             image_grid_thw = GRID_MEMO.recall(pixel_values)
@@ -129,9 +124,7 @@ class Model(nn.Module):
     def encode_video(
         self, pixel_values_videos: mx.array, video_grid_thw: Optional[Any] = None
     ) -> mx.array:
-        """:meth:`encode_image` for videos: the same tower on ``pixel_values_videos`` and
-        ``video_grid_thw`` (each temporal patch attends within itself), in the same array
-        form. Pass it back as ``get_input_embeddings(..., cached_video_features=...)``."""
+        """:meth:`encode_image` for videos, replayed as ``cached_video_features``."""
         return self.encode_image(pixel_values_videos, video_grid_thw)
 
     def encode_images(
@@ -174,10 +167,8 @@ class Model(nn.Module):
     ) -> CompassEmbeddings:
         """Token embeddings with image and video features scattered in, and MRoPE positions.
 
-        Features come from pixels and grids as the processor returns them, or from
-        ``cached_image_features`` / ``cached_video_features`` (``encode_image``'s array, the
-        prompt's images in order). Deepstack comes back dense, ``[B, L, K, D]``
-        with zeros off the vision tokens, so hosts slice and left-pad it like the embeddings."""
+        Deepstack comes back dense, ``[B, L, K, D]`` with zeros off the vision tokens, so hosts
+        slice and left-pad it like the embeddings."""
         self._warn_past_positions(input_ids)
         pixel_values, pixel_values_videos, mm_token_type_ids, mask, whole = (
             fit_training_batch(
@@ -212,12 +203,12 @@ class Model(nn.Module):
                 input_ids, embeds, mask, kwargs.get("rope_deltas")
             )
 
-        ids = np.array(input_ids)
-        if mm_token_type_ids is not None:
-            types = np.array(mm_token_type_ids)
-        else:
-            types = (ids == self.config.image_token_id).astype(np.int32)
-            types[ids == self.config.video_token_id] = VIDEO
+        types = token_types(
+            input_ids,
+            mm_token_type_ids,
+            self.config.image_token_id,
+            self.config.video_token_id,
+        )
         B, L, D = embeds.shape
         merged = embeds.reshape(B * L, D)
         K = len(self.config.vision_config.deepstack_visual_indexes)
@@ -255,8 +246,7 @@ class Model(nn.Module):
             if deepstack:
                 dense[where] = mx.stack(deepstack, axis=1).astype(embeds.dtype)
 
-        # With the whole prompt's types (ids that are its last L tokens), every position follows
-        # from those types and the grids (text advances by one): the cached part's ids are not needed.
+        # A whole prompt's positions follow from its types and grids alone (text advances by one).
         prefix, rope_types, rope_grids, rope_mask = (
             (whole.prefix, whole.types, whole.grids, whole.mask)
             if whole is not None
@@ -286,8 +276,7 @@ class Model(nn.Module):
         )
 
     def _warn_past_positions(self, input_ids) -> None:
-        """One line when a prompt is longer than the checkpoint's positions: it still runs (as
-        the reference's does), but its answer is not one the model was trained to give."""
+        """A prompt longer than the checkpoint's positions still runs, as the reference's does."""
         limit = self.config.text_config.max_position_embeddings
         if input_ids is not None and input_ids.shape[-1] > limit:
             logger.warning(
@@ -303,8 +292,7 @@ class Model(nn.Module):
         merge: int,
     ) -> Optional["WholePrompt"]:
         """``whole`` with its grids when they and the features cover every picture and video
-        of the whole prompt (so the suffix can be placed after the cached part), else None:
-        the suffix is then embedded as a prompt of its own."""
+        of the whole prompt, else None (the suffix is then embedded as a prompt of its own)."""
         for kind in (IMAGE, VIDEO):
             count = int(np.count_nonzero(whole.types == kind))
             if count == 0:
@@ -321,13 +309,8 @@ class Model(nn.Module):
     def _image_features_for(
         self, pixels, grid, cached, vision_cache, key
     ) -> Optional[mx.array]:
-        """Features to replay for these pixels, or None to run the tower.
-
-        A replay this model encoded from other pixels (a cache keyed by file path whose file
-        changed) is never used. With mlx-vlm's ``vision_cache`` and ``_image_key`` (its
-        batched server, LM Studio's engine, Rapid-MLX) a miss runs the tower once and
-        stores the result; a hit runs no tower.
-        """
+        """Features to replay for these pixels, or None to run the tower; mlx-vlm's
+        ``vision_cache`` stores a miss. Features encoded from other pixels are never replayed."""
         if cached is not None and _encoded_from(cached, pixels, grid) is False:
             cached = None
         if cached is not None or vision_cache is None or key is None or grid is None:
@@ -348,28 +331,21 @@ class Model(nn.Module):
         grid: Optional[Any],
     ) -> Tuple[mx.array, List[mx.array], Any]:
         """(features [N, D], K deepstack [N, D], grid) of one modality, from pixels or a replay."""
-        if cached is None:
-            if grid is None:
-                raise ValueError(
-                    f"{_GRIDS[kind]} must be provided with {_PIXELS[kind]}"
-                )
-            features, deepstack = self._unpack_features(self.encode_image(pixels, grid))
-            return features, deepstack, grid
-        features, deepstack = self._unpack_features(cached)
         if grid is None:
+            given = _PIXELS[kind] if cached is None else _CACHED[kind]
             raise ValueError(
-                f"{_GRIDS[kind]} must be provided with {_CACHED[kind]} (the processor returns it for the "
+                f"{_GRIDS[kind]} must be provided with {given} (the processor returns it for the "
                 f"prompt's {_NAMES[kind]}s): their positions depend on each {_NAMES[kind]}'s grid"
             )
+        if cached is None:
+            cached = self.encode_image(pixels, grid)
+        features, deepstack = self._unpack_features(cached)
         return features, deepstack, grid
 
     def _with_positions(
         self, embeds, position_ids, deltas, deepstack, visual, mask, prefix=0
     ) -> CompassEmbeddings:
         """``prefix``: the cached tokens these positions follow (a prompt's suffix), else 0."""
-        # Every field is a per-row array, text prompts included: batching hosts (mlx-vlm 0.6+'s
-        # BatchGenerator) concatenate each key over the rows that have it, so a key only some
-        # rows carry, or a scalar, would land on the wrong rows of a mixed batch.
         rope_deltas = publish_prompt(self.language_model, position_ids, deltas, prefix)
         return CompassEmbeddings.of(
             embeds,
@@ -383,10 +359,9 @@ class Model(nn.Module):
     def _text_embeddings(
         self, input_ids, embeds, mask, given_deltas=None
     ) -> CompassEmbeddings:
-        """A text prompt: no positions (they follow the cache, as upstream's), a zero delta per row
-        (batching hosts join each key over the rows that carry it), zero deepstack, no state left
-        on the language model. A caller's ``rope_deltas`` comes back as given (mlx-vlm 0.6.x primes
-        a trimmed prompt's suffix with the whole prompt's delta, then takes this output's)."""
+        """A text prompt: no positions (they follow the cache), a delta per row (a caller's as
+        given: mlx-vlm 0.6.x primes a trimmed prompt's suffix with it, then takes this output's).
+        Every field is per row: batching hosts join each key over the rows that carry it."""
         B, L, D = embeds.shape
         K = len(self.config.vision_config.deepstack_visual_indexes)
         deepstack = (
@@ -460,10 +435,8 @@ class Model(nn.Module):
         )
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        """Map both published layouts onto this module tree (idempotent); see :func:`weight_key`.
-
-        Ties or unties the head first, as :func:`settle_head` decides from what is stored.
-        """
+        """Map both published layouts onto this module tree (idempotent), the head tied or not
+        as :func:`settle_head` decides from what is stored."""
         tied = settle_head(self.language_model, self.config, weights)
         out = {}
         for key, value in weights.items():
@@ -479,10 +452,8 @@ _HEAD, _EMBED = "language_model.lm_head.", "language_model.model.embed_tokens."
 def settle_head(
     language_model: nn.Module, config: ModelConfig, weights: Dict[str, Any]
 ) -> bool:
-    """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights`` (only
-    they say whether ``lm_head`` is stored). Runs before mlx-vlm quantizes and loads, so a head
-    added here is quantized like a stored one. Returns the decision (the built one when no head
-    can be had: loading then names the missing ``lm_head.weight``)."""
+    """Tie or untie ``language_model``'s head as ``config.head_tied`` decides for ``weights``;
+    runs before mlx-vlm quantizes and loads, so an added head is quantized like a stored one."""
     names = {weight_key(k, False): k for k in weights}
     head = {n[len(_HEAD) :]: k for n, k in names.items() if n and n.startswith(_HEAD)}
     embed = {part: names.get(_EMBED + part) for part in head}
@@ -509,9 +480,8 @@ def settle_head(
 
 
 class WholePrompt(NamedTuple):
-    """The whole prompt's ``mm_token_type_ids`` (and 2-D mask, or None) passed with ids that are
-    its last tokens, the first ``prefix`` already in the cache; ``grids`` per token type once
-    :meth:`Model._placeable` found they cover every picture and video of it."""
+    """The whole prompt's ``mm_token_type_ids`` (and 2-D mask) passed with ids that are its
+    last tokens, the first ``prefix`` cached; ``grids`` once :meth:`Model._placeable` checks them."""
 
     types: np.ndarray
     mask: Optional[np.ndarray]
@@ -528,12 +498,10 @@ class WholePrompt(NamedTuple):
 def fit_training_batch(
     input_ids, pixel_values, pixel_values_videos, mm_token_type_ids, mask, media_ids
 ):
-    """Fit what mlx-vlm's trainer passes to its ids: the last id dropped, right padding or GRPO's
-    completion appended, patches stacked ``[B, N, C]``, while ``mm_token_type_ids`` stays the
-    processor's. Only those shapes are fitted (a dropped column must be text, added ids no
-    ``media_ids``); else an error. Longer types whose last columns mark exactly the ids' media
-    tokens are a whole prompt's, passed with the suffix a restored prefix cache leaves: cut to
-    the suffix, the whole prompt's types and mask returned as a :class:`WholePrompt` (else None)."""
+    """Fit ``mm_token_type_ids`` and patches to the ids mlx-vlm's trainers pass (last id dropped,
+    right padding or a GRPO completion appended, patches stacked ``[B, N, C]``); longer types
+    marking exactly the ids' media tokens are a whole prompt's (a restored prefix's suffix),
+    returned as a :class:`WholePrompt`. Any other shape is refused."""
     # compass-compat: upstream (0.7.10) ignores mm_token_type_ids and the patch count; we check both.
     if pixel_values is not None and pixel_values.ndim == 3:
         pixel_values = pixel_values.reshape(-1, pixel_values.shape[-1])
@@ -560,18 +528,16 @@ def fit_training_batch(
         types = types[:, :L]
     elif T < L and not np.isin(np.asarray(input_ids)[:, T:], media_ids).any():
         types = np.pad(types, ((0, 0), (0, L - T)))
-    elif T > L and _is_prompt_tail(types[:, T - L :], input_ids, media_ids):
+    elif T > L and np.array_equal(
+        types[:, T - L :] != 0, np.isin(np.asarray(input_ids), media_ids)
+    ):
         # mlx-vlm's prompt-cache reuse (PromptCacheState, APC; 0.4.4-0.7.10) trims the ids to the
         # suffix after the restored prefix and passes the whole prompt's types and mask.
-        whole_mask = (
-            np.asarray(mask)
-            if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T
-            else None
-        )
+        whole_mask = None
+        if getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
+            whole_mask, mask = np.asarray(mask), mask[:, T - L :]
         whole = WholePrompt(types, whole_mask, T - L)
         types = types[:, T - L :]
-        if mask is not None and getattr(mask, "ndim", 0) == 2 and mask.shape[1] == T:
-            mask = mask[:, T - L :]
     elif T != L:
         raise ValueError(
             f"mm_token_type_ids has {T} columns but input_ids has {L}. Pass the processor's outputs of one "
@@ -579,12 +545,6 @@ def fit_training_batch(
             "token) or add text after the prompt (padding, a sampled completion)"
         )
     return pixel_values, pixel_values_videos, types, mask, whole
-
-
-def _is_prompt_tail(types: np.ndarray, input_ids, media_ids) -> bool:
-    """Whether ``types`` marks exactly the image and video tokens of ``input_ids`` (same shape)."""
-    media = np.isin(np.asarray(input_ids), media_ids)
-    return types.shape == media.shape and np.array_equal(types != 0, media)
 
 
 def _pixel_fingerprint(pixels: Any, grid: Any) -> str:
@@ -622,8 +582,3 @@ def split_image_features(
         )
     bounds = np.cumsum([0] + sizes)
     return [features[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def concat_image_features(parts: Sequence[mx.array]) -> mx.array:
-    """Join per-image ``encode_image`` outputs, in prompt order, into one."""
-    return mx.concatenate(list(parts), axis=0)

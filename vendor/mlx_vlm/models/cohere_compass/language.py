@@ -27,11 +27,8 @@ from .speculative import refuse_speculative
 
 
 def mrope_axis_table(section: Sequence[int], half_dim: int) -> np.ndarray:
-    """Position axis (0=t, 1=h, 2=w) read by each of the ``half_dim`` frequency slots.
-
-    Interleaved layout: slot j reads h when ``j % 3 == 1 and j < 3*section[1]``,
-    w when ``j % 3 == 2 and j < 3*section[2]``, t otherwise.
-    """
+    """Position axis (0=t, 1=h, 2=w) read by each of the ``half_dim`` frequency slots
+    (interleaved MRoPE)."""
     j = np.arange(half_dim)
     axis = np.zeros(half_dim, dtype=np.int32)
     axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
@@ -45,8 +42,8 @@ def _rotate_half(x: mx.array) -> mx.array:
 
 
 class MultimodalRotary(nn.Module):
-    """Rotation of the sliding layers: equal position axes (text, decode) reduce interleaved MRoPE
-    to mlx-lm's non-traditional rope from an offset; explicit positions (pictures) take cos/sin."""
+    """Interleaved MRoPE: mlx-lm's rope from an offset where the three axes are equal (text,
+    decode), cos/sin of explicit positions (pictures)."""
 
     def __init__(self, spec: RopeSpec, head_dim: int):
         super().__init__()
@@ -72,8 +69,7 @@ class MultimodalRotary(nn.Module):
 
 
 def causal_mask(L: int, K: int, window: Optional[int]) -> Optional[mx.array]:
-    """Boolean [L, K] mask for L queries whose keys end at the last query: key k is visible to
-    query q iff ``q - window < k <= q``; None when every key is visible."""
+    """Boolean [L, K] mask for L queries whose keys end at the last query; None: all visible."""
     if L == 1 and (window is None or K <= window):
         return None
     q = mx.arange(K - L, K)[:, None]
@@ -120,22 +116,17 @@ class Attention(nn.Module):
                 raise KVCacheQuantizationError(
                     _kv_group_advice(self.head_dim, cache.group_size)
                 ) from err
-        # A quantized cache (generate's kv_bits) returns packed keys; it counts them itself.
-        mask = masks.get(
-            L, k.shape[2] if isinstance(k, mx.array) else cache.offset, self.window
-        )
-        out = self.attend(q, k, v, mask, cache)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def attend(
-        self, q: mx.array, k: Any, v: Any, mask: Any = None, cache: Any = None
-    ) -> mx.array:
-        """Attention of q over the keys; packed keys of a quantized cache go to mlx-vlm's helper."""
         if isinstance(k, mx.array):
-            return mx.fast.scaled_dot_product_attention(
+            mask = masks.get(L, k.shape[2], self.window)
+            out = mx.fast.scaled_dot_product_attention(
                 q, k, v, scale=self.scale, mask=mask
             )
-        return scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
+        else:  # packed keys of a quantized cache (generate's kv_bits): mlx-vlm's helper
+            mask = masks.get(L, cache.offset, self.window)
+            out = scaled_dot_product_attention(
+                q, k, v, cache, scale=self.scale, mask=mask
+            )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class KVCacheQuantizationError(ValueError):
@@ -159,9 +150,8 @@ def _kv_group_advice(head_dim: int, group_size: int) -> str:
 
 
 class MaskBuilder:
-    """A forward's masks by (queries, keys, window). A 2-D padding mask (a host running the model
-    on the whole prompt may pass the processor's) is only ANDed into the causal mask; batch caches
-    make theirs (``per_window``)."""
+    """A forward's masks by (queries, keys, window); a 2-D padding mask is ANDed into the causal
+    one; batch caches make theirs (``per_window``)."""
 
     def __init__(
         self,
@@ -255,8 +245,7 @@ class CompassTextModel(nn.Module):
 
 class RotatingKVCache(_PinRotatingKVCache):
     """A sliding layer's cache, kept in float under ``kv_bits`` (bounded by the window; mlx-vlm's
-    ``to_quantized`` raises); ``merge`` carries the rows' rope deltas. The name is the pin's: hosts
-    key caches by it (oMLX's cache type registry)."""
+    ``to_quantized`` raises); ``merge`` carries the rows' deltas. Hosts key caches by its name."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "RotatingKVCache":
         # generate's kv_bits converts every layer in order, this sliding one before the
@@ -278,15 +267,12 @@ class RotatingKVCache(_PinRotatingKVCache):
 
 
 class LanguageModel(nn.Module):
-    """Decoder plus the MRoPE state that mlx-vlm's generate loops expect: where each forward's
-    positions come from is :mod:`.positions` (its docstring has the table); hosts read and reset
-    ``_rope_deltas`` / ``_position_ids`` as on Qwen-VL language models in mlx-vlm."""
+    """Decoder and head; each forward's positions come from :mod:`.positions` (its table)."""
 
     # vMLX: decode positions it passes are offset + arange and need the request's delta added.
     decode_positions_add_request_rope_delta = True
-    sliding_cache_class = (
-        RotatingKVCache  # what a host-rebuilt first layer becomes (positions.resolve)
-    )
+    # What make_cache builds, and a host-rebuilt first layer becomes (positions.resolve).
+    sliding_cache_class = RotatingKVCache
 
     def __init__(
         self,
@@ -330,8 +316,8 @@ class LanguageModel(nn.Module):
         video_grid_thw: Optional[Any] = None,
         attention_mask: Optional[mx.array] = None,
     ) -> Tuple[mx.array, mx.array]:
-        """MRoPE position ids ``[3, B, L]`` and rope deltas ``[B, 1]`` of a whole prompt (the
-        Qwen-VL method mlx-vlm 0.7.x primes a trimmed prompt's suffix with); padding gets 0."""
+        """A whole prompt's positions ``[3, B, L]`` and deltas ``[B, 1]`` (mlx-vlm primes a
+        trimmed prompt's suffix with them)."""
         return whole_prompt_positions(
             self, input_ids, image_grid_thw, video_grid_thw, attention_mask
         )
@@ -364,12 +350,9 @@ class LanguageModel(nn.Module):
                     )
             masks = MaskBuilder(None, per_window)
         else:
-            padding = (
-                mask if (mask is not None and getattr(mask, "ndim", 0) == 2) else None
-            )
-            if padding is not None and not isinstance(padding, mx.array):
-                padding = mx.array(padding)  # the processor's attention_mask is numpy
-            masks = MaskBuilder(padding)
+            # A 2-D padding mask; the processor's attention_mask is numpy.
+            padding = mask if getattr(mask, "ndim", 0) == 2 else None
+            masks = MaskBuilder(None if padding is None else mx.array(padding))
         h = self.model(h, positions, masks, cache, deepstack)
         keep = kwargs.get("logits_to_keep") or 0
         if keep:

@@ -11,25 +11,18 @@ Positions are ``[3, B, L]`` (t, h, w). Terms:
   take the indices of its merged grid (:func:`get_rope_index`); the text after it continues at
   ``offset + delta``, ``delta = last position + 1 - tokens`` (negative).
 
-The state, and who writes it (only this module):
+The state, written only here:
 
-- :class:`Kept`, on the request's first cache layer: the delta its tokens follow (per row), the
-  column from which it holds (past the last vision token) and the most tokens the cache held.
-  Batch caches made by ``merge`` carry each row's delta through filter, extend and extract.
-- :class:`Mark` per array the model handed out, in ``lm.issued`` (a weak identity map): a whole
-  prompt's positions (count from column 0), a suffix's (follow ``prefix`` cached tokens), deltas
-  (their one value), a text prompt's zeros, the delta published in ``_rope_deltas`` (with the
-  column where that forward ended), and the column where a host first passed an array whole.
-- ``_rope_deltas`` / ``_position_ids`` on the language model, as on Qwen-VL models in mlx-vlm:
-  written for hosts that read them after a prefill (:func:`publish_prompt`, :func:`_write`).
+- :class:`Kept` on the request's first cache layer: the delta (per row), the column from which
+  it holds and the most tokens the cache held; batch caches made by ``merge`` carry each row's.
+- a :class:`Mark` per array the model handed out (or a host passed whole), in ``lm.issued``.
+- ``_rope_deltas`` / ``_position_ids`` on the language model, for hosts that read them after a
+  prefill, as on Qwen-VL models in mlx-vlm.
 
 :func:`resolve` first repairs what hosts hand over: a first layer rebuilt as the pin's rotating
-class takes the model's (so a merge keeps row deltas); a batch's left padding only the prompt's
-arrays show is declared to its caches (:func:`absorb_prompt_padding`); positions whose first axis
-a host cut as a batch axis are restored (:func:`unslice_positions`); arrays passed whole with
-every chunk are cut to this chunk (:func:`chunk_of`); a batch's positions that only its picture
-rows brought get text rows at offset + own delta (:func:`fill_text_rows`). Then it reads the
-request and takes the cell:
+class; a batch's left padding only the prompt's arrays show; positions whose first axis a host cut
+as a batch axis; arrays passed whole with every chunk; a batch's positions only its picture rows
+brought (text rows get offset + own delta). Then it reads the request and takes the cell:
 
 One sequence:
 
@@ -47,9 +40,8 @@ A batch (per-row offsets):
 | new | those, text rows filled | offset + delta per row | offset | offset |
 | continuing | those, text rows filled | offset + delta per row | offset + kept deltas | offset + kept deltas, else the ``_rope_deltas`` a host merged with |
 
-Then it writes once: the delta the tokens used (the given one, or ``last position + 1 - tokens``
-per row after explicit positions) with the cache and in ``_rope_deltas``. A rotating cache set
-back after its ring wrapped is refused: it no longer holds the tokens before the cut.
+Then it writes once the delta the tokens used (after explicit positions, ``last position + 1 -
+tokens`` per row). A rotating cache set back after its ring wrapped is refused.
 """
 
 from __future__ import annotations
@@ -79,18 +71,7 @@ class Kept:
 
 
 def kept(first: Any) -> Optional[Kept]:
-    return getattr(first, KEPT, None) if first is not None else None
-
-
-def keep(first: Any) -> Optional[Kept]:
-    """The Kept of this cache, made if it has none (None for a cache that cannot carry one)."""
-    state = kept(first)
-    if state is None and first is not None:
-        try:
-            setattr(first, KEPT, state := Kept())
-        except AttributeError:  # a cache class with __slots__: the module state alone
-            return None
-    return state
+    return getattr(first, KEPT, None)
 
 
 def delta_rows(delta: Any) -> Optional[mx.array]:
@@ -107,8 +88,7 @@ def delta_rows(delta: Any) -> Optional[mx.array]:
 
 
 def _row_deltas(cache: Any) -> Optional[mx.array]:
-    state = kept(cache)
-    return delta_rows(state.delta) if state is not None else None
+    return delta_rows(getattr(kept(cache), "delta", None))
 
 
 def _keep_rows(cache: Any, rows: Any) -> None:
@@ -116,10 +96,9 @@ def _keep_rows(cache: Any, rows: Any) -> None:
 
 
 class _KeepsRowDeltas:
-    """A batch cache made by ``merge`` of this model's request caches: each row's rope delta stays
-    with its row through ``filter``, ``extend`` and ``extract``. Hosts that prefill requests one by
-    one, merge their caches and decode with nothing but the cache (Rapid-MLX) would otherwise
-    decode picture rows at wrong positions."""
+    """A batch cache made by ``merge`` of this model's request caches: each row's delta stays with
+    its row through ``filter``, ``extend`` and ``extract`` (Rapid-MLX prefills requests one by one,
+    merges their caches and decodes with nothing but the cache)."""
 
     @classmethod
     def merged(cls, caches: List[Any], request_class: type) -> Any:
@@ -154,9 +133,8 @@ class _KeepsRowDeltas:
         single = super().extract(idx)  # type: ignore[misc]
         if rows is not None:
             if type(single) in self.request_class.__bases__:
-                single.__class__ = (
-                    self.request_class
-                )  # same state; keeps merge (and to_quantized) ours
+                # Same state; keeps merge (and to_quantized) ours.
+                single.__class__ = self.request_class
             _keep_rows(single, int(rows[idx].item()))
         return single
 
@@ -182,8 +160,8 @@ T = TypeVar("T")
 
 
 class Issued(Generic[T]):
-    """A weak identity map: arrays the model handed out (or a host passes whole), each with what
-    is known of it. Arrays are not hashable by value, so they are recognised by identity."""
+    """A weak identity map (arrays are not hashable by value): arrays the model handed out, or a
+    host passes whole, each with what is known of it."""
 
     def __init__(self) -> None:
         self._entries: Dict[int, Tuple[weakref.ref, T]] = {}
@@ -204,20 +182,15 @@ class Issued(Generic[T]):
 
 @dataclass(frozen=True)
 class Mark:
-    """What the model knows of an array it handed out, or a host passed whole: ``whole``, a whole
-    prompt's positions (they count from column 0); ``prefix``, a suffix's (they follow that many
-    cached tokens); ``value``, a delta's one value when every row has it; ``text``, a text
-    prompt's zero deltas; ``published``, a delta published in ``_rope_deltas`` by a forward that
-    ended at column ``until`` (None: a batch); ``first_column``, where a host first passed it
-    with a chunk."""
+    """What the model knows of an array it handed out, or a host passed whole."""
 
-    whole: bool = False
-    prefix: int = 0
-    value: Optional[int] = None
-    text: bool = False
-    published: bool = False
-    until: Optional[int] = None
-    first_column: Optional[int] = None
+    whole: bool = False  # a whole prompt's positions: they count from column 0
+    prefix: int = 0  # a suffix's positions: they follow this many cached tokens
+    value: Optional[int] = None  # a delta's one value, when every row has it
+    text: bool = False  # a text prompt's zero deltas
+    published: bool = False  # a delta published in ``_rope_deltas``...
+    until: Optional[int] = None  # ...by a forward ending at this column (None: batch)
+    first_column: Optional[int] = None  # where a host first passed it with a chunk
 
 
 def marked(lm: Any, array: Any) -> Mark:
@@ -228,10 +201,8 @@ def marked(lm: Any, array: Any) -> Mark:
 def publish_prompt(
     lm: Any, position_ids: mx.array, deltas: Any, prefix: int
 ) -> mx.array:
-    """What ``get_input_embeddings`` hands out for a prompt with pictures (or padded rows): its
-    positions (they follow ``prefix`` cached tokens) and per-row deltas, marked so a host passing
-    them back is recognised, and set on the language model as Qwen-VL models in mlx-vlm do
-    (hosts read them right after). Returns the deltas ``[B, 1]``."""
+    """A prompt's positions (following ``prefix`` cached tokens) and deltas, marked and set on
+    the language model, where hosts read them; returns the deltas ``[B, 1]``."""
     rope_deltas = mx.array(np.asarray(deltas).reshape(-1, 1))
     values = set(np.asarray(deltas).reshape(-1).tolist())
     lm.issued.mark(rope_deltas, Mark(value=values.pop() if len(values) == 1 else None))
@@ -241,15 +212,14 @@ def publish_prompt(
 
 
 def text_zeros(lm: Any, B: int) -> mx.array:
-    """A text prompt's deltas: zeros, marked as such (the language model leaves them for a
-    restored prefix's kept delta)."""
+    """A text prompt's deltas: zeros, marked so a restored prefix's kept delta wins over them."""
     zeros = mx.zeros((B, 1), dtype=mx.int64)
     lm.issued.mark(zeros, Mark(value=0, text=True))
     return zeros
 
 
 class Positions:
-    """Where the tokens of one forward pass sit: a scalar or per-row offset, or [3, B, L] ids;
+    """Where the tokens of one forward sit: a scalar or per-row offset, or [3, B, L] ids;
     ``column`` is where they start in the cache."""
 
     def __init__(self, offset: Any = 0, explicit: Optional[mx.array] = None, column=0):
@@ -267,8 +237,7 @@ class Positions:
 
 def chunk_of(lm: Any, array: Any, column: int, L: int) -> Any:
     """This forward's ``L`` tokens of an array covering more (a host passes a whole prompt's
-    positions or deepstack with every chunk): from the column it was first seen at (a whole
-    prompt's positions count from column 0), recorded the first time."""
+    positions or deepstack with every chunk), counted from the column it was first seen at."""
     # Deepstack is [B, L, K, D]; positions [3, B, L] or [B, L].
     tokens = 1 if array is not None and array.ndim == 4 else -1
     if array is None or array.shape[tokens] == L:
@@ -284,17 +253,14 @@ def chunk_of(lm: Any, array: Any, column: int, L: int) -> Any:
 
 @dataclass
 class _Request:
-    """What :func:`resolve` reads of a request before it picks the table's cell: ``offset`` an
-    int, or per row (a copy: batch caches move theirs in place); ``kept`` the cache's, empty
-    where it kept nothing; ``set_back`` a host cut the cache below what it held (one sequence);
-    ``holds`` the kept delta holds at this column."""
+    """What :func:`resolve` reads of a request before it takes the table's cell."""
 
     batched: bool
-    offset: Any
+    offset: Any  # an int, or per row (a copy: batch caches move theirs in place)
     column: int
-    kept: Kept
-    set_back: bool
-    holds: bool
+    kept: Kept  # the cache's; empty where it kept nothing
+    set_back: bool  # a host cut the cache below what it held (one sequence)
+    holds: bool  # the kept delta holds at this column
 
     @property
     def fresh(self) -> bool:
@@ -302,7 +268,6 @@ class _Request:
 
 
 def _repair(lm: Any, cache: List[Any], B: int, L: int, kwargs: Dict) -> None:
-    """The cache repairs the table assumes done (its first two rows of repairs)."""
     first = cache[0]
     if is_batch_cache(first):
         absorb_prompt_padding(
@@ -324,7 +289,12 @@ def _read(cache: List[Any]) -> _Request:
         offset = column = first.offset if first is not None else 0
     state = Kept() if column == 0 else (kept(first) or Kept())
     set_back = not batched and 0 < column < state.reached
-    holds = state.delta is not None and (not set_back or _holds(state, column))
+    since = state.since
+    holds = state.delta is not None and (
+        not set_back
+        or since is None
+        or int(since.item() if isinstance(since, mx.array) else since) <= column
+    )
     return _Request(batched, offset, column, state, set_back, holds)
 
 
@@ -337,12 +307,10 @@ def resolve(
     rope_deltas: Any,
     kwargs: Dict,
 ) -> Positions:
-    """The positions of this forward, by the table above: repairs the cache, reads the request,
-    picks the cell, then writes the request's state once (:func:`_write`)."""
+    """The positions of this forward, by the table above."""
     _repair(lm, cache, B, L, kwargs)
     request = _read(cache)
-    if not request.batched:
-        refuse_a_ring_cut_after_it_wrapped(cache, request)
+    refuse_a_ring_cut_after_it_wrapped(cache, request)
     explicit = (
         None
         if position_ids is None
@@ -351,8 +319,7 @@ def resolve(
     delta = _given_delta(lm, request, rope_deltas)
     since = request.kept.since
     if explicit is not None:
-        # The delta decode steps continue from (per row): last position + 1 - tokens so far.
-        # Lazy, so no host sync; a later chunk of the same prompt overwrites it.
+        # Lazy (no host sync); a later chunk of the same prompt overwrites it.
         last = explicit.max(axis=(0, 2))
         used = (
             (last + 1 - (request.offset + L)).reshape(-1, 1) if delta is None else delta
@@ -378,8 +345,7 @@ def resolve(
 def _explicit(
     lm: Any, request: _Request, position_ids: Any, deltas: Any, B: int, L: int, kwargs
 ) -> mx.array:
-    """Given positions as ``[3, B, L]`` for this chunk: unsliced where a host cut their first
-    axis as a batch, refused after another prefix, cut to the chunk, text rows filled."""
+    """Given positions as ``[3, B, L]`` for this chunk."""
     column = request.column
     position_ids = unslice_positions(lm._position_ids, position_ids, B, L, column)
     if not request.batched:
@@ -397,8 +363,8 @@ def _explicit(
 
 
 def _given_delta(lm: Any, request: _Request, given: Any) -> Any:
-    """The caller's delta; our text zeros give way to a kept delta that holds (a text prompt's
-    own zeros after a restored prefix: mlx-vlm 0.4.x merges them into its kwargs)."""
+    """The caller's delta; our text zeros give way to a kept delta that holds (mlx-vlm 0.4.x
+    merges a text prompt's zeros into its kwargs after a restored prefix)."""
     if given is not None and not isinstance(given, (int, np.integer, mx.array)):
         given = mx.array(given)
     if given is not None and marked(lm, given).text and not request.fresh:
@@ -409,10 +375,8 @@ def _given_delta(lm: Any, request: _Request, given: Any) -> Any:
 def _write(
     lm: Any, cache: List[Any], request: _Request, used: Any, since: Any, L: int
 ) -> None:
-    """Keep ``used`` (the delta this forward's tokens follow) with the cache, with the column it
-    holds from and the cache's high mark, and publish it in ``lm._rope_deltas``, marked as ours
-    with the column where this forward ended (None for a batch cache)."""
-    # Kept as an mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
+    """Keep ``used`` with the cache and publish it in ``lm._rope_deltas``."""
+    # An mx.array on the module: mlx-vlm 0.6.x's batch generator reads and resets it.
     published = mx.array([[int(used)]]) if isinstance(used, (int, np.integer)) else used
     column = request.column
     single = not request.batched and isinstance(column, (int, np.integer))
@@ -421,9 +385,12 @@ def _write(
     lm.issued.mark(
         published, replace(marked(lm, published), published=True, until=until)
     )
-    state = keep(cache[0])
-    if state is None:
+    first = cache[0]
+    if first is None:
         return
+    state = kept(first)
+    if state is None:
+        setattr(first, KEPT, state := Kept())
     state.delta = used
     state.since = since
     if not request.batched:
@@ -447,40 +414,23 @@ def _offset_by(lm: Any, offset: Any, delta: Any, B: int) -> Positions:
     return Positions(offset=mx.broadcast_to(offset + rows, (B,)))
 
 
-def _holds(state: Kept, column: int) -> bool:
-    since = state.since
-    return (
-        since is None
-        or int(since.item() if isinstance(since, mx.array) else since) <= column
-    )
-
-
-def _rows(delta: Any) -> int:
-    return 1 if isinstance(delta, (int, np.integer)) else int(np.prod(delta.shape))
-
-
 def _delta_for(lm: Any, request: _Request, B: int) -> Optional[Any]:
-    """The delta a continuing cache's tokens follow when none is given: none where the cache was
-    set back before its kept delta holds (its text there follows the offset); else the kept one,
-    or for a cache that kept none (a host rebuilt it) the module's, when its rows match and it is
-    this request's (:func:`_module_delta_for`)."""
+    """A continuing cache's delta when none is given: the kept one where it holds, else for a
+    cache that kept none the module's, when it has a row per sequence and is this request's."""
     kept_delta = request.kept.delta
     if kept_delta is not None and not request.holds:
         return None
     column = None if request.batched else request.column
     for delta in (kept_delta, _module_delta_for(lm, column)):
-        if delta is not None and _rows(delta) == B:
+        if delta is not None and delta_rows(delta).size == B:
             return delta
     return None
 
 
 def _module_delta_for(lm: Any, column: Any) -> Optional[Any]:
-    """``lm._rope_deltas`` for a cache that kept no delta: one a host installed (Rapid-MLX's media
-    lane); for a batch cache (``column`` None: a host merged request caches it rebuilt, right
-    after their prefills) the last one we published. For a single-sequence cache at ``column``,
-    one we published only when the forward that published it ended there (a host rebuilt that
-    request's cache): not another request's (Rapid-MLX restores a text prompt's prefix, saved
-    by an earlier server, right after serving a picture)."""
+    """``lm._rope_deltas`` unless we published it for another request: for a single-sequence
+    cache at ``column`` (not None), one we published only if the forward that published it ended
+    there (Rapid-MLX restores a text prompt's prefix right after serving a picture)."""
     delta = lm._rope_deltas
     mark = marked(lm, delta)
     if delta is None or column is None or not mark.published:
@@ -498,7 +448,7 @@ def _past_last_vision_token(
     position_ids: mx.array, column: int, L: int, before: Any
 ) -> Any:
     """The column past this chunk's last token whose position does not follow the final delta
-    (a vision token), else where the delta held before (this chunk's start if unknown). Lazy."""
+    (a vision token), else ``before`` (this chunk's start if None). Lazy."""
     rows = position_ids.max(axis=0)  # [B, L]
     steps = rows - mx.arange(L)[None]  # constant over the tokens that follow one delta
     off = steps != steps[:, -1:]
@@ -520,9 +470,8 @@ def is_batch_cache(c: Any) -> bool:
 
 
 def refuse_a_ring_cut_after_it_wrapped(cache: List[Any], request: Any) -> None:
-    """Refuse a sliding-window cache set back to ``columns`` tokens after it held more than its
-    window: its ring then holds the last tokens, not the first ``columns`` (mlx-vlm 0.4.4's
-    ``PromptCacheState`` slices every cache to the reused prefix), and the answer would be wrong."""
+    """Refuse a sliding-window cache set back after it held more than its window: its ring
+    holds the last tokens, not the first ones (mlx-vlm 0.4.4's ``PromptCacheState``)."""
     ring = next((c for c in cache if c is not None and hasattr(c, "max_size")), None)
     columns, state = request.column, request.kept
     if request.set_back and ring is not None and state.reached > ring.max_size:
@@ -538,8 +487,7 @@ def refuse_positions_after_another_prefix(
     lm: Any, position_ids: mx.array, columns: int
 ) -> None:
     """Refuse positions from ``get_input_embeddings`` that do not follow the tokens the cache
-    holds: a prompt's own positions (they count from its first token) on a cache that holds
-    other tokens, or a suffix's positions placed after a prefix of another length."""
+    holds (a prompt's own on a cache holding others, a suffix's after another prefix)."""
     mark = marked(lm, position_ids)
     if (
         mark.whole
@@ -568,9 +516,7 @@ def unslice_positions(
     prompt: Any, position_ids: mx.array, B: int, L: int, columns: int
 ) -> mx.array:
     """``[3, B, L]`` positions back from a batch host that cut their first axis as a batch axis
-    (mlx-vlm 0.4.4: ``[min(3, B), B, L]``; 0.6.3: ``[B, B, L]``, the temporal axis B times): the
-    prompt's own array (``_position_ids``) where its temporal axis is the one given; another
-    wrong-shaped array is refused."""
+    (mlx-vlm 0.4.4: ``[min(3, B), B, L]``; 0.6.3: ``[B, B, L]``, the temporal axis B times)."""
     if position_ids.ndim != 3 or (position_ids.shape[0] == 3 and (B != 3 or L == 1)):
         return position_ids  # decode steps never need the (host-reading) check below
     if (
@@ -606,8 +552,7 @@ def fill_text_rows(
     position_ids: mx.array, B: int, L: int, offset: Any, deltas: Any, kwargs: Dict
 ) -> mx.array:
     """``[3, B, L]`` positions from a batch whose picture rows alone brought them (mlx-vlm 0.6+
-    joins each key over the rows that carry it): which rows, from ``position_rows`` (every row
-    carries it, uncut per chunk), else ``visual_pos_masks``; text rows take offset + own delta."""
+    joins each key over the rows that carry it); text rows take offset + own delta."""
     flags, visual = kwargs.get("position_rows"), kwargs.get("visual_pos_masks")
     if flags is not None and int(np.size(flags)) == B:
         rows = np.nonzero(np.array(flags).reshape(-1))[0]
@@ -636,10 +581,7 @@ def absorb_prompt_padding(
     cache: List[Any], attention_mask: Any, B: int, L: int, prompt_padding: Any
 ) -> None:
     """Declare to empty batch caches the left padding only the prompt's arrays show (mlx-vlm
-    0.4.x-0.6.x ``batch_generate`` hands padded rows over as real tokens: unmasked, rows attend to
-    it and decode positions run ahead), as mlx-lm's ``prepare(left_padding=)``: from
-    ``prompt_padding`` (whole however the prefill is cut), else this chunk's ``attention_mask``;
-    padding the caches already know (mlx-vlm 0.7) is not added twice."""
+    0.4.x-0.6.x ``batch_generate`` hands padded rows over as real tokens)."""
     first = cache[0]
     if getattr(first, "keys", None) is not None or not hasattr(first, "left_padding"):
         return  # padding can only be declared before the first tokens go in
@@ -649,34 +591,20 @@ def absorb_prompt_padding(
         B,
         L,
     ):
-        keep_mask = np.asarray(attention_mask).astype(bool)
-        lead = np.where(keep_mask.any(axis=1), keep_mask.argmax(axis=1), L)
+        lead = leading_padding(np.asarray(attention_mask))
     else:
         return
     extra = np.maximum(lead - np.asarray(first.left_padding).reshape(-1), 0)
     if not extra.any():
         return
     for c in cache:
-        if hasattr(c, "prepare"):
-            c.prepare(left_padding=extra.tolist())
-        else:  # older mlx-lm batch caches: what prepare() does
-            c.left_padding = c.left_padding + mx.array(extra)
-            c.offset = c.offset - mx.array(extra)
+        c.prepare(left_padding=extra.tolist())
 
 
 def whole_prompt_positions(
     lm: Any, input_ids: Any, image_grid_thw: Any, video_grid_thw: Any, mask: Any
 ):
-    """``lm.get_rope_index``: a whole prompt's positions ``[3, B, L]`` (marked as counting from
-    column 0) and deltas ``[B, 1]``."""
-    for grid, token, name in (
-        (image_grid_thw, lm.image_token_id, "image_token_id"),
-        (video_grid_thw, lm.video_token_id, "video_token_id"),
-    ):
-        if grid is not None and token is None:
-            raise ValueError(
-                f"get_rope_index needs {name}: build LanguageModel through Model"
-            )
+    """``lm.get_rope_index``: a whole prompt's positions ``[3, B, L]`` and deltas ``[B, 1]``."""
     position_ids, deltas = get_rope_index(
         np.array(input_ids),
         image_grid_thw,
@@ -696,6 +624,23 @@ def padding_rows(mask: Any) -> Optional[np.ndarray]:
     return (
         np.array(mask) if mask is not None and getattr(mask, "ndim", 0) == 2 else None
     )
+
+
+def leading_padding(mask: np.ndarray) -> np.ndarray:
+    """Per row of a 2-D mask, the padding before its first token (all of a row with none)."""
+    mask = mask.astype(bool)
+    return np.where(mask.any(axis=1), mask.argmax(axis=1), mask.shape[1])
+
+
+def token_types(input_ids: Any, types: Any, image_token_id: int, video_token_id: Any):
+    """``mm_token_type_ids`` as numpy, else 1 on image and 2 on video tokens (0 text)."""
+    if types is not None:
+        return np.array(types)
+    ids = np.asarray(input_ids)
+    types = (ids == image_token_id).astype(np.int32)
+    if video_token_id is not None:
+        types[ids == video_token_id] = VIDEO
+    return types
 
 
 _NAMES = {
@@ -720,17 +665,10 @@ def get_rope_index(
     video_token_id: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Qwen-VL position ids [3, B, L] and rope deltas [B]: a run of vision tokens takes its merged
-    grid's (t, h, w) indices plus the running position, and the text after it starts at the
-    running position + max(h, w) / merge; each temporal patch of a video is a run with t = 1.
-    Types from ``mm_token_type_ids`` (0 text, 1 image, 2 video), else the ids; padding gets 0."""
-    input_ids = np.asarray(input_ids)
-    B, L = input_ids.shape
-    if mm_token_type_ids is not None:
-        types = np.asarray(mm_token_type_ids)
-    else:
-        types = (input_ids == image_token_id).astype(np.int32)
-        if video_token_id is not None:
-            types[input_ids == video_token_id] = VIDEO
+    grid's (t, h, w) indices plus the running position, the text after it starts at the running
+    position + max(h, w) / merge; each temporal patch of a video is a run. Padding gets 0."""
+    B, L = np.shape(input_ids)
+    types = token_types(input_ids, mm_token_type_ids, image_token_id, video_token_id)
     videos = list(grid_sequence(video_grid_thw)) if video_grid_thw is not None else []
     runs = {
         IMAGE: list(grid_sequence(image_grid_thw))

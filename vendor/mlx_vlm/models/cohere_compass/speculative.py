@@ -1,9 +1,5 @@
-"""Speculative decoding with cohere_compass: refused by name, before the first token.
-
-mlx-vlm's drafters ask the target for per-layer hidden states (dflash, eagle3:
-``capture_layer_ids``; mtp: ``return_hidden`` / ``return_shared_kv``); this decoder returns logits
-only, and unrefused the pin fails later inside its round loop (docs/features.md).
-"""
+"""Speculative decoding with cohere_compass: refused by name, before the first token (mlx-vlm's
+drafters ask for hidden states this decoder does not return; docs/features.md)."""
 
 from __future__ import annotations
 

@@ -217,7 +217,6 @@ class VisionModel(nn.Module):
                 f"vision head_dim ({config.head_dim} = hidden_size / num_heads) must be a "
                 "multiple of 4 for the axial (row, column) rotary"
             )
-        _block_activation(config.hidden_act)  # fail at construction, not first call
 
         self._side = int(round(config.num_position_embeddings**0.5))
         self._merge = config.spatial_merge_size
