@@ -375,8 +375,7 @@ def _fp_modes_in_float32(model: Any) -> Any:
 
 
 def _refusing(folder: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``, a library's refusal of the cohere_compass ``folder`` raised as
-    one CheckpointError line (``checkpoint_checks.refusal``)."""
+    """``call(*args, **kwargs)``, a library's refusal of ``folder`` raised as one CheckpointError line."""
     from .checkpoint_checks import refusal
 
     try:
@@ -389,9 +388,8 @@ def _refusing(folder: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) 
 
 
 def _install_loader_guard(undo: List[_Undo]) -> None:
-    """``validate_checkpoint`` before mlx-vlm's loader reads a file the folder names, the loader's
-    own refusals as one line; on the CPU the fp-mode float32 rule on what it loaded
-    (:func:`_fp_modes_in_float32`)."""
+    """``validate_checkpoint`` before mlx-vlm's loader reads the folder, the loader's own refusals as
+    one line; on the CPU the fp-mode float32 rule on what it loaded."""
     from . import checkpoint_checks
 
     def load_model(original: Callable[..., Any], model_path: Any, *args: Any, **kwargs: Any) -> Any:

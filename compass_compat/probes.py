@@ -1,6 +1,5 @@
 """Probes of the running install: what it can do, measured once per process instead of assumed
-from version numbers (what each measures: docs/testing.md). A :class:`Probe` is ``ok`` (True:
-works, False: measured broken, None: not observable) with its ``evidence``, which errors quote."""
+from version numbers (what each measures: docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Where the vendored ``cohere_compass`` tree is.
-
-A leaf module (the standard library and :mod:`compass_compat.errors` only): the shim and the
-checkpoint checks find the vendored files here.
-"""
+"""Where the vendored ``cohere_compass`` tree is (a leaf module: the standard library and
+:mod:`compass_compat.errors` only)."""
 
 from __future__ import annotations
 
@@ -19,11 +16,8 @@ PACKAGE = f"mlx_vlm.models.{MODEL_TYPE}"
 
 @functools.lru_cache(maxsize=1)
 def vendor_root() -> Path:
-    """The directory holding the vendored ``mlx_vlm/models/cohere_compass`` tree.
-
-    An installed wheel carries it as ``compass_compat/_vendor``; a source
-    checkout (or editable install) has it at ``<repo>/vendor``.
-    """
+    """The directory holding the vendored ``mlx_vlm/models/cohere_compass`` tree: ``compass_compat/_vendor``
+    in an installed wheel, ``<repo>/vendor`` in a source checkout (or editable install)."""
     here = Path(__file__).resolve().parent
     candidates = (here / "_vendor", here.parent / "vendor")
     for root in candidates:

@@ -26,7 +26,7 @@ class VideoDecoderMissingError(CompassCompatError):
 
 
 class VideoFileError(ValueError):
-    """A video file that cannot be read: missing, corrupt, not a video, or without frames."""
+    """A video file that cannot be read: corrupt, not a video, or without frames."""
 
 
 @dataclass

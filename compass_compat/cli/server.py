@@ -73,7 +73,7 @@ def _exit_after(serve: Callable[[], None]) -> NoReturn:
 
     uvicorn shuts down gracefully on either signal, then raises it again once it returns; SIGTERM's
     default action would end the process with 143, so it raises ``SystemExit(0)`` here instead."""
-    signal.signal(signal.SIGTERM, _exit_zero)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         serve()
         code = 0
@@ -86,7 +86,3 @@ def _exit_after(serve: Callable[[], None]) -> NoReturn:
     sys.stderr.flush()
     # No interpreter teardown: it aborts (std::terminate) in MLX's thread-local destructors (docs/hosts.md).
     os._exit(code)
-
-
-def _exit_zero(signum: int, frame: object) -> None:
-    raise SystemExit(0)
