@@ -1,10 +1,6 @@
-"""The one module that patches mlx-vlm for ``cohere_compass``.
-
-:func:`apply_patch` looks up every hook first, then installs, all or nothing, what
-ARCHITECTURE.md's table "What the shim installs" lists; docs/shim.md says why each is needed.
-Every wrapper goes through :func:`_wrap`: tagged, its original kept, undone only while it is
-still the installed one. A missing hook raises :class:`CompassCompatError` naming it.
-"""
+"""The one module that patches mlx-vlm for ``cohere_compass``: :func:`apply_patch` looks up every
+hook first, then installs, all or nothing, what ARCHITECTURE.md's table "What the shim installs"
+lists (docs/shim.md says why each is needed)."""
 
 from __future__ import annotations
 
@@ -89,9 +85,6 @@ class ImplementationInfo:
     verdict: str = ""  # the recorded verdict on the installed mlx-vlm's own package; "" where it ships none
 
 
-# ---------------------------------------------------------------- the switch
-
-
 def _mlx_vlm_version() -> str:
     import mlx_vlm
 
@@ -147,9 +140,6 @@ def _switch(implementation: Optional[str], force_vendored: Optional[bool]) -> Tu
     return value, source
 
 
-# ------------------------------------------------------------------ the hooks
-
-
 @dataclass
 class _Hooks:
     """Everything apply_patch touches, looked up before anything changes."""
@@ -172,7 +162,8 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
         raise CompassCompatError(f"mlx cannot load here ({type(err).__name__}: {err}): {MLX_BUILDS}") from err
     import mlx_vlm
 
-    _refuse_unsupported(_mlx_vlm_version())
+    version = _mlx_vlm_version()
+    _refuse_unsupported(version)
     import transformers
 
     missing: List[str] = []
@@ -202,7 +193,6 @@ def _find_hooks(mlx_lm: bool = False) -> _Hooks:
     need(auto_processor, "transformers.AutoProcessor", "from_pretrained")
     lm_models = importlib.import_module("mlx_lm.models") if mlx_lm else None
     need(lm_models, "mlx_lm.models", "__path__", is_path)
-    version = _mlx_vlm_version()
     if missing:
         raise CompassCompatError(
             f"compass-compat cannot patch mlx-vlm {version}: missing hook(s) "
@@ -220,14 +210,10 @@ def _upstream_spec(models: Any, vendor: Path) -> Optional[importlib.machinery.Mo
     return importlib.machinery.PathFinder.find_spec(PACKAGE, entries)
 
 
-# ------------------------------------------------------------------ installing
-
-
 def _wrap(owner: Any, attr: str, hook: Callable[..., Any], undo: List[_Undo]) -> bool:
     """Install ``hook(original, *args, **kwargs)`` in place of ``owner.attr`` (a function or a
-    classmethod of ``owner`` itself): tagged with TAG, ``__wrapped__`` and the original, never
-    installed twice. Undone, it passes every call through, and is removed while it is still the
-    installed one (something that wrapped it since keeps it as an inert link)."""
+    classmethod of ``owner`` itself), tagged, never twice. Undone, it passes every call through,
+    and is removed while it is still the installed one (a later wrapper keeps it as an inert link)."""
     original = vars(owner).get(attr, _MISSING)
     is_classmethod = isinstance(original, classmethod)
     function = original.__func__ if is_classmethod else original
@@ -389,8 +375,7 @@ def _fp_modes_in_float32(model: Any) -> Any:
 
 
 def _refusing(folder: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)``, a library's refusal of the cohere_compass ``folder`` raised as
-    one CheckpointError line (``checkpoint_checks.refusal``)."""
+    """``call(*args, **kwargs)``, a library's refusal of ``folder`` raised as one CheckpointError line."""
     from .checkpoint_checks import refusal
 
     try:
@@ -403,9 +388,8 @@ def _refusing(folder: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) 
 
 
 def _install_loader_guard(undo: List[_Undo]) -> None:
-    """``validate_checkpoint`` before mlx-vlm's loader reads a file the folder names, the loader's
-    own refusals as one line; on the CPU the fp-mode float32 rule on what it loaded
-    (:func:`_fp_modes_in_float32`)."""
+    """``validate_checkpoint`` before mlx-vlm's loader reads the folder, the loader's own refusals as
+    one line; on the CPU the fp-mode float32 rule on what it loaded."""
     from . import checkpoint_checks
 
     def load_model(original: Callable[..., Any], model_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -487,9 +471,6 @@ def _install_video_file_hook(undo: List[_Undo]) -> None:
 
     undo.append(forget_reader)
     _wrap(utils, "load_video", load_video, undo)
-
-
-# ------------------------------------------------------------------- public
 
 
 def _run_undo(steps: List[_Undo]) -> None:

@@ -11,7 +11,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from .vendor import package_dir, vendored_module, within
+from .vendor import package_dir, within
 
 MODEL_TYPE = "cohere_compass"
 INDEX_FILE = "model.safetensors.index.json"
@@ -263,22 +263,4 @@ def _defaulted_hint(config: Dict[str, Any]) -> str:
     )
 
 
-# ------------------------------------------------------------------ pixel bounds (the processor's, for the checklist)
-
-
-def processing_module():
-    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one the
-    processor and the checklist share), the process's one copy."""
-    return vendored_module("processing_cohere_compass")
-
-
-def pixel_bounds(
-    folder: Any, load_kwargs: Optional[Dict[str, Any]] = None, call_kwargs: Optional[Dict[str, Any]] = None
-):
-    """The min / max pixels a cohere_compass processor built from ``folder`` resizes within,
-    with their sources (``PixelBounds``; the precedence table is in the vendored image processor's
-    "pixel bounds" section). Values are validated by the image processor itself."""
-    return processing_module().read_pixel_bounds(Path(os.fspath(folder)), load_kwargs, call_kwargs)
-
-
-__all__ = ["CheckpointError", "pixel_bounds", "refusal", "validate_checkpoint"]
+__all__ = ["CheckpointError", "refusal", "validate_checkpoint"]

@@ -1,6 +1,5 @@
 """Probes of the running install: what it can do, measured once per process instead of assumed
-from version numbers (what each measures: docs/testing.md). A :class:`Probe` is ``ok`` (True:
-works, False: measured broken, None: not observable) with its ``evidence``, which errors quote."""
+from version numbers (what each measures: docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from typing import Any, Dict, Optional
 class Probe:
     """One measurement: ``ok`` True (works), False (broken), None (not observable); what was seen."""
 
-    name: str
     ok: Optional[bool]
     evidence: str
 
@@ -31,20 +29,14 @@ class _Stop(Exception):
     """Raised by the spy to stop the loader at its quantize call."""
 
 
-def _tiny_config(quantization: Dict[str, Any]) -> Dict[str, Any]:
-    from compass_data.tiny import tiny_config
-
-    config = tiny_config()
-    config["quantization"] = dict(quantization)
-    return config
-
-
 @functools.lru_cache(maxsize=None)
 def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
     """Whether mlx-vlm's ``load_model`` hands the checkpoint's quantization mode to ``mlx.nn.quantize``."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_vlm.utils as utils
+
+    from compass_data.tiny import tiny_config
 
     loader = utils.load_model
     while getattr(loader, "__compass_compat__", False) and hasattr(loader, "__wrapped__"):
@@ -63,8 +55,8 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
 
     with tempfile.TemporaryDirectory(prefix="compass-probe-") as tmp:
         folder = Path(tmp)
-        quant = {"group_size": group_size, "bits": bits, "mode": mode}
-        (folder / "config.json").write_text(json.dumps(_tiny_config(quant)), encoding="utf-8")
+        config = {**tiny_config(), "quantization": {"group_size": group_size, "bits": bits, "mode": mode}}
+        (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
         mx.save_safetensors(str(folder / "model.safetensors"), {}, metadata={"format": "mlx"})
         nn.quantize = spy
         try:
@@ -74,18 +66,15 @@ def loader_passes_mode(mode: str, group_size: int, bits: int) -> Probe:
         except Exception as exc:
             if not seen:
                 return Probe(
-                    name,
-                    None,
-                    f"{name} failed before quantizing ({type(exc).__name__}: {str(exc)[:200]}); not observed",
+                    None, f"{name} failed before quantizing ({type(exc).__name__}: {str(exc)[:200]}); not observed"
                 )
         finally:
             nn.quantize = real
     if not seen:
-        return Probe(name, None, f"{name} never called mlx.nn.quantize (the hook looked for); not observed")
+        return Probe(None, f"{name} never called mlx.nn.quantize (the hook looked for); not observed")
     got = seen.get("mode", "<no mode keyword>")
     ok = got == mode
     return Probe(
-        name,
         ok,
         f"{name} called mlx.nn.quantize with mode={got!r}"
         + ("" if ok else f", so the {mode} weights meet {'affine' if got == '<no mode keyword>' else got} layers"),

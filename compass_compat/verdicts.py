@@ -14,7 +14,6 @@ from .errors import CompassCompatError
 FILE = Path(__file__).resolve().parent / "verdicts.json"
 IMPLEMENTATIONS = ("upstream", "vendored")
 VERDICTS = ("PASS", "FAIL")
-RECORD_COMMAND = "bash scripts/pin_bump/pin_bump.sh {release}"
 
 
 @dataclass(frozen=True)
@@ -33,16 +32,12 @@ class Verdict:
     failing: Tuple[Tuple[int, str], ...] = ()
     measured: str = ""
 
-    @property
-    def passes_every_item(self) -> bool:
-        return self.recorded and not self.failing
-
     def describe(self) -> str:
         """One sentence: what the record says, or how to record a verdict."""
         if not self.recorded:
             return (
                 f"no verdict recorded for mlx-vlm {self.release}: run "
-                f"`{RECORD_COMMAND.format(release=self.release)}` to record one"
+                f"`bash scripts/pin_bump/pin_bump.sh {self.release}` to record one"
             )
         if not self.failing:
             return f"mlx-vlm {self.release}'s own cohere_compass passes every checklist item ({self.measured})"
@@ -108,4 +103,4 @@ def live_for(release: str, upstream_ships: bool, path: Optional[Path] = None) ->
     if not upstream_ships:
         return "vendored", None
     verdict = upstream_verdict(release, path)
-    return ("upstream" if verdict.passes_every_item else "vendored"), verdict
+    return ("upstream" if verdict.recorded and not verdict.failing else "vendored"), verdict

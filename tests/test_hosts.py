@@ -161,10 +161,10 @@ def test_the_startup_hook_is_installed_and_is_the_shipped_file():
     reinstall = "reinstall the package (pip install --no-deps -e .) so the hook in this env is this tree's"
     assert hooks, f"{startup.PTH_NAME} is not in this env's site-packages; {reinstall}"
     for hook in hooks:
-        assert hook.read_text() == startup.PTH_SOURCE.read_text(), f"{hook} is an older copy; {reinstall}"
-        module = hook.parent / startup.HOOK_SOURCE.name
-        assert module.is_file(), f"{module} is missing; {reinstall}"
-        assert module.read_text() == startup.HOOK_SOURCE.read_text(), f"{module} is an older copy; {reinstall}"
+        for source, name in hook_venv.SHIPPED.items():  # the .pth and the hook module beside it
+            shipped, installed = hook_venv.REPO / source, hook.parent / name
+            assert installed.is_file(), f"{installed} is missing; {reinstall}"
+            assert installed.read_text() == shipped.read_text(), f"{installed} is an older copy; {reinstall}"
 
 
 def test_the_wheel_puts_the_hook_into_site_packages():
@@ -172,10 +172,8 @@ def test_the_wheel_puts_the_hook_into_site_packages():
     repo = Path(__file__).resolve().parents[1]
     build = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
     force_include = build["targets"]["wheel"]["force-include"]
-    shipped = {
-        startup.PTH_SOURCE.relative_to(repo).as_posix(): startup.PTH_NAME,
-        startup.HOOK_SOURCE.relative_to(repo).as_posix(): f"{startup.HOOK_MODULE}.py",
-    }
+    pth, hook = startup.PTH_NAME, "compass_compat_autopatch.py"
+    shipped = {f"compass_compat/{pth}": pth, hook: hook}  # source in the repo -> name in site-packages
     assert {source: force_include.get(source) for source in shipped} == shipped
     # The hook venv these tests run hosts in lays the files out the same way.
     assert hook_venv.SHIPPED == shipped

@@ -20,15 +20,15 @@ import warnings
 import numpy as np
 import pytest
 
-from compass_compat import checkpoint_checks
-from compass_compat.checkpoint_checks import CheckpointError, pixel_bounds, validate_checkpoint
+from compass_compat.checkpoint_checks import CheckpointError, validate_checkpoint
 from compass_data.tiny import build_tiny_checkpoint
 from tests.support import pixel_bounds as rec
+from tests.support.pixel_bounds import pixel_bounds
 from tests.support.reference_probe import reference_problem
 from tests.support.vendored import default_run_only, vendored
 
 FIXTURE = json.loads(rec.FIXTURE.read_text(encoding="utf-8"))
-pc = checkpoint_checks.processing_module()  # the vendored processing module, live or by path
+pc = rec.processing_module()  # the vendored processing module, live or by path
 # The vendored processor by path and the checks; mlx_vlm.utils.load's test skips on upstream's run itself.
 pytestmark = default_run_only
 PIXEL_TOL = 1e-6  # as tests/test_processor.py: PIL resize is shared, float math may round differently
@@ -321,14 +321,14 @@ def test_image_files_probe_uses_the_shared_resolution(monkeypatch, tmp_path):
     from tests.support import live
 
     seen = []
-    original = checkpoint_checks.pixel_bounds
+    original = rec.pixel_bounds
 
     def spy(folder, *args, **kwargs):
         bounds = original(folder, *args, **kwargs)
         seen.append(bounds)
         return bounds
 
-    monkeypatch.setattr(checkpoint_checks, "pixel_bounds", spy)
+    monkeypatch.setattr(rec, "pixel_bounds", spy)
     folder = build_tiny_checkpoint(tmp_path / "probe", variant="small_max_pixels")
     _edit(folder, "tokenizer_config.json", lambda c: c.update(min_pixels=4096, max_pixels=32768))
     want = live.image_files_expectations(folder)

@@ -12,8 +12,6 @@ from . import generate, info, run, server
 from .common import PROG, CliError
 
 COMMANDS = {"generate": generate, "server": server, "run": run, "info": info}
-# Its flags go to mlx-vlm untouched: it parses the rest of the command line itself.
-PASSTHROUGH = ("server",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +36,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if UNAVAILABLE is not None and command in COMMANDS and command != "info" and "--help" not in argv:
             raise CliError(str(UNAVAILABLE))
-        if argv and argv[0] in PASSTHROUGH:
-            command = argv[0]
-            return COMMANDS[command].main(argv[1:])
+        if command == "server":  # its flags go to mlx-vlm untouched: it parses them itself
+            return server.main(argv[1:])
         args = parser.parse_args(argv)
         command = args.command
         return COMMANDS[command].main(args)

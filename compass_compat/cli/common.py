@@ -1,10 +1,10 @@
-"""What every subcommand uses: the program name, the user-facing error, the log line, flag helpers."""
+"""What every subcommand uses: the program name, the user-facing error, the log line, a flag type."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 PROG = "python -m compass_compat"
 
@@ -32,13 +32,3 @@ def bounded(kind: type, low: float, high: Optional[float] = None) -> Callable[[s
         return value
 
     return parse
-
-
-def flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
-    """The value of ``flag`` (``--flag V`` or ``--flag=V``) in flags handed on to mlx-vlm unparsed."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from compass_data.toy import HOME_ENV, TOY_NOTE
 
@@ -94,30 +94,35 @@ def main(args: argparse.Namespace) -> int:
 
     import mlx.core as mx
     from mlx_vlm import stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    from ..video_files import VideoDecoderMissingError, VideoFileError
 
     model, processor = _load(model_ref, adapter)
     if args.prompt is not None and not " ".join(args.prompt).strip():
         raise CliError("--prompt is empty: give the question to ask, or leave --prompt out for the default")
     prompt = " ".join(args.prompt) if args.prompt else (DEFAULT_VIDEO_PROMPT if videos else DEFAULT_PROMPT)
-    refused = video.processor_errors(processor)
-    formatted, inputs, times = _prompt_inputs(args, model, processor, prompt, images, videos, refused)
-
-    if args.verbose:
-        _print_header(model_ref, adapter, is_default, images, videos, times, prompt)
-    elif is_default:
-        log("note: " + TOY_NOTE)
-
-    last = None
-    pieces = []
-    # Seeded here, not before load: building the model draws from the PRNG (weight init).
-    mx.random.seed(args.seed)
-    # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
+    last, pieces = None, []
     try:
+        if videos:
+            formatted, inputs, times = video.video_inputs(args, processor, prompt, images, videos)
+        else:  # formatted as mlx-vlm's own CLI does
+            system, user = {"role": "system", "content": args.system}, {"role": "user", "content": prompt}
+            messages = [system, user] if args.system else prompt
+            formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
+            inputs, times = {"image": images or None}, []
+        if args.verbose:
+            _print_header(model_ref, adapter, is_default, images, videos, times, prompt)
+        elif is_default:
+            log("note: " + TOY_NOTE)
+        # Seeded here, not before load: building the model draws from the PRNG (weight init).
+        mx.random.seed(args.seed)
+        # Only the flags given: mlx-vlm fills in the rest as its own generate does on this pin.
         for result in stream_generate(model, processor, formatted, max_tokens=args.max_tokens, **inputs, **given):
             print(result.text, end="", flush=True)
             pieces.append(result.text)
             last = result
-    except refused as err:
+    except (VideoFileError, VideoDecoderMissingError) + video.processor_errors(processor) as err:
         raise CliError(str(err)) from err
     print(flush=True)
     if args.verbose and last is not None:
@@ -148,33 +153,6 @@ def _load(model_ref: str, adapter: Optional[str] = None):
         where = "" if Path(model_ref).is_dir() else " (no local folder; fetching it from the Hugging Face Hub failed)"
         with_adapter = f" with the adapter {adapter}" if adapter else ""
         raise CliError(f"could not load {model_ref}{with_adapter}{where}: {type(err).__name__}: {err}") from err
-
-
-def _prompt_inputs(
-    args: argparse.Namespace,
-    model,
-    processor,
-    prompt: str,
-    images: Sequence[str],
-    videos: Sequence[str],
-    refused: Tuple[type, ...],
-) -> Tuple[object, Dict[str, object], List[List[float]]]:
-    """(prompt for stream_generate, its input keywords, per-video frame times): formatted by
-    mlx-vlm's apply_chat_template as its CLI does, or made here for a video prompt."""
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    from ..video_files import VideoDecoderMissingError, VideoFileError
-
-    messages = (
-        [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}] if args.system else prompt
-    )
-    try:
-        if videos:
-            return video.video_inputs(args, processor, prompt, images, videos)
-        formatted = apply_chat_template(processor, model.config, messages, num_images=len(images))
-    except (VideoFileError, VideoDecoderMissingError) + refused as err:
-        raise CliError(str(err)) from err
-    return formatted, {"image": images or None}, []
 
 
 def _print_header(

@@ -13,7 +13,7 @@ from typing import Callable, List, NoReturn
 
 from .. import implementation_info
 from ..startup import ENV as AUTOPATCH_ENV
-from .common import PROG, flag_value, log
+from .common import PROG, log
 from .inputs import resolve_model
 
 
@@ -22,13 +22,14 @@ def parser() -> argparse.ArgumentParser:
     own = argparse.ArgumentParser(
         prog=f"{PROG} server",
         add_help=False,
+        allow_abbrev=False,  # an abbreviation belongs to mlx-vlm's flags
         description=(
             "Start the installed mlx-vlm's own server with the patch applied. Options not listed "
-            "here (--model, --host, --port, ...) are mlx-vlm's; they differ between releases. "
-            "Without --model it serves the default checkpoint."
+            "here (--host, --port, ...) are mlx-vlm's; they differ between releases."
         ),
     )
     own.add_argument("-h", "--help", action="store_true", help="show this help and mlx-vlm's server options")
+    own.add_argument("--model", help="checkpoint folder (or Hugging Face repo id); default: the default checkpoint")
     return own
 
 
@@ -45,13 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(argv: List[str]) -> int:
     """Run mlx-vlm's server in this process with the flags after ``server``."""
     args, rest = parser().parse_known_args(argv)
-    model = flag_value(rest, "--model")
     if not args.help:
         # A bad path fails here, with a message, not inside the server; none given: the default
         # checkpoint, as `generate` (mlx-vlm's server would otherwise load nothing until asked).
-        ref, is_default = resolve_model(model)
+        ref, is_default = resolve_model(args.model)
+        rest = ["--model", ref, *rest]
         if is_default:
-            rest = ["--model", ref, *rest]
             log(f"serving the default checkpoint {ref} (a toy: pass --model for a real one)")
     module = importlib.import_module("mlx_vlm.server")  # fastapi and uvicorn are mlx-vlm's dependencies
     if args.help:
@@ -73,7 +73,7 @@ def _exit_after(serve: Callable[[], None]) -> NoReturn:
 
     uvicorn shuts down gracefully on either signal, then raises it again once it returns; SIGTERM's
     default action would end the process with 143, so it raises ``SystemExit(0)`` here instead."""
-    signal.signal(signal.SIGTERM, _exit_zero)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         serve()
         code = 0
@@ -86,7 +86,3 @@ def _exit_after(serve: Callable[[], None]) -> NoReturn:
     sys.stderr.flush()
     # No interpreter teardown: it aborts (std::terminate) in MLX's thread-local destructors (docs/hosts.md).
     os._exit(code)
-
-
-def _exit_zero(signum: int, frame: object) -> None:
-    raise SystemExit(0)

@@ -106,7 +106,8 @@ def video_inputs(
             **({} if args.cap_pixels_per_frame is None else {"cap_pixels_per_frame": args.cap_pixels_per_frame}),
         )
     for warning in caught:  # the processor's words name its Python keywords; here they are flags
-        log(f"warning: {_in_flags(str(warning.message))}")
+        said = str(warning.message).replace("`cap_pixels_per_frame=True`", "--cap-pixels-per-frame")
+        log("warning: " + said.replace("or `False` to keep", "or --no-cap-pixels-per-frame to keep"))
     kwargs = {"input_ids": mx.array(np.asarray(out["input_ids"]))}
     if out.get("attention_mask") is not None:
         kwargs["mask"] = mx.array(np.asarray(out["attention_mask"]))
@@ -115,16 +116,3 @@ def video_inputs(
             kwargs[key] = mx.array(np.asarray(out[key]))
     times = [[int(i) / (m.fps or 24.0) for i in m.frames_indices] for m in metadata]
     return text, kwargs, times
-
-
-# The processor's keyword, as its warnings write it, and the flag that sets it here.
-KEYWORD_FLAGS = {
-    "`cap_pixels_per_frame=True`": "--cap-pixels-per-frame",
-    "or `False` to keep": "or --no-cap-pixels-per-frame to keep",
-}
-
-
-def _in_flags(message: str) -> str:
-    for keyword, flag in KEYWORD_FLAGS.items():
-        message = message.replace(keyword, flag)
-    return message

@@ -196,9 +196,9 @@ SOLID_COLOUR = (200, 120, 40)
 def image_files_expectations(folder: Path) -> Dict[str, Any]:
     """What the folder's files say a processor must give (exact arithmetic from their values): the
     grids of a solid 64x64 and a 640x480 image, and the solid image's normalised channels. The bounds
-    are resolved as transformers resolves them (``checkpoint_checks.pixel_bounds``: processor_config.json's
+    are resolved as transformers resolves them (``tests.support.pixel_bounds.pixel_bounds``: processor_config.json's
     block over preprocessor_config.json, tokenizer_config.json's min/max_pixels over both)."""
-    from compass_compat.checkpoint_checks import pixel_bounds
+    from tests.support.pixel_bounds import pixel_bounds
 
     bounds = pixel_bounds(folder)
     conf = bounds.image_config

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pathlib
 import shutil
 from typing import Any, Dict, Optional
@@ -36,6 +37,23 @@ CONVERTED_BLOCK = {
     "max_pixels": 3868706,
 }
 S = {"shortest_edge": 200704, "longest_edge": 1003520}  # another pair of bounds (784 / 3920 patches)
+
+
+def processing_module():
+    """The vendored processing_cohere_compass module (its pixel-bound resolution is the one the
+    processor and these tests share), live or by path."""
+    from tests.support.vendored import vendored_module  # imports compass_compat: not for the reference's recorder
+
+    return vendored_module("processing_cohere_compass")
+
+
+def pixel_bounds(
+    folder: Any, load_kwargs: Optional[Dict[str, Any]] = None, call_kwargs: Optional[Dict[str, Any]] = None
+):
+    """The min / max pixels a cohere_compass processor built from ``folder`` resizes within,
+    with their sources (``PixelBounds``; the precedence table is in the vendored image processor's
+    "pixel bounds" section). Values are validated by the image processor itself."""
+    return processing_module().read_pixel_bounds(pathlib.Path(os.fspath(folder)), load_kwargs, call_kwargs)
 
 
 def _without(d: dict, *keys: str) -> dict:

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
 import pytest
 
-from compass_compat.vendor import file_module, package_dir
+from compass_compat.vendor import is_vendored, package_dir, within
 
 PACKAGE = "mlx_vlm.models.cohere_compass"
 VENDORED_DIR = package_dir()
+# The vendored files' name where upstream's package is the live one (under mlx_vlm.models, so
+# the package's relative imports reach the installed mlx-vlm).
+STAND_IN = "mlx_vlm.models._compass_vendored"
+_RAN_INIT = set()  # ids of stand-in packages whose __init__ has run
 
 
 def upstream_ships() -> bool:
@@ -96,10 +103,47 @@ def vendored(submodule: str = "") -> ModuleType:
 
 
 def by_path(submodule: str, package: str) -> ModuleType:
-    """``submodule`` of the vendored package loaded from its file as ``<package>.<submodule>``
-    (``compass_compat.vendor.file_module``): the package's ``__init__`` (mlx) does not run, and
-    it works on pins where upstream's cohere_compass shadows the vendored one."""
-    return file_module(submodule, package)
+    """``submodule`` of the vendored package loaded from its file as ``<package>.<submodule>``:
+    the package's ``__init__`` (mlx) does not run, and it works on pins where upstream's
+    cohere_compass shadows the vendored one; another ``package`` name gives fresh module objects
+    (tests that change module state use their own)."""
+    _stand_in(package)
+    return importlib.import_module(f"{package}.{submodule}")
+
+
+def vendored_module(name: str = "") -> ModuleType:
+    """The vendored module ``name`` (the package itself for ""), one copy per process: the live
+    ``mlx_vlm.models.cohere_compass.<name>`` where the vendored package is live, else loaded from
+    its file under STAND_IN, whose ``__init__`` (mlx, the whole model) runs only when the package
+    itself is asked for."""
+    if _vendored_is_live():
+        return importlib.import_module(f"{PACKAGE}.{name}" if name else PACKAGE)
+    stand_in = _stand_in(STAND_IN)
+    if not name:
+        if id(stand_in) not in _RAN_INIT:
+            stand_in.__spec__.loader.exec_module(stand_in)
+            _RAN_INIT.add(id(stand_in))
+        return stand_in
+    return importlib.import_module(f"{STAND_IN}.{name}")
+
+
+def _vendored_is_live() -> bool:
+    """Whether the vendored package is (or will import as) mlx_vlm.models.cohere_compass."""
+    live = sys.modules.get(PACKAGE)
+    if live is None and "mlx_vlm.models" in sys.modules:
+        path = list(getattr(sys.modules["mlx_vlm.models"], "__path__", []))
+        spec = importlib.machinery.PathFinder.find_spec(PACKAGE, path)
+        return spec is not None and within(spec.origin, VENDORED_DIR)
+    return is_vendored(live)
+
+
+def _stand_in(package: str) -> ModuleType:
+    if package not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            package, VENDORED_DIR / "__init__.py", submodule_search_locations=[str(VENDORED_DIR)]
+        )
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+    return sys.modules[package]
 
 
 def implementation_under_test() -> str:
