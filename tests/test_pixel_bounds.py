@@ -4,10 +4,10 @@ Folders with the published layouts of the files that decide the bounds (CohereLa
 original set; an mlx-vlm >= 0.6.13 conversion with processor_config.json), folders whose
 files disagree, and from_pretrained / call kwargs (the table: tests/support/pixel_bounds.py,
 the precedence: the "pixel bounds" section of the vendored image processor). Expected values come
-from the reference: live where transformers ships cohere_compass (the 0.7.10 env), and from
+from the reference: live in the reference environment (0.7.10, `-m reference`), and from
 tests/fixtures/pixel_bounds.json, recorded from it by scripts/reference/pixel_bounds.py, on
-every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor, the checkpoint checks
-and checklist item 3's probe (tests/support/live.py) all use the one resolution.
+every pin. The vendored processor, ``mlx_vlm.utils.load``'s processor and checklist item 3's
+probe (tests/support/live.py) all use the one resolution (the image processor's read_pixel_bounds).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_processor_matches_the_recorded_reference(case, folders, images):
 
 @pytest.mark.parametrize("case", list(rec.CASES))
 def test_bounds_match_the_recorded_reference(case, folders):
-    """The shared resolution (processor, checkpoint checks, checklist item 3's probe) on the folder's files."""
+    """The shared resolution (processor, checklist item 3's probe) on the folder's files."""
     folder_name, load_kwargs, call_kwargs = rec.CASES[case]
     bounds = pixel_bounds(folders[folder_name], load_kwargs, call_kwargs)
     assert [bounds.min_pixels, bounds.max_pixels] == FIXTURE["cases"][case]["bounds"]
