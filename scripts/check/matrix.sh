@@ -67,12 +67,12 @@ env_ready() {
   local pin="$1"
   while [ ! -f "$out/env-$pin.rc" ]; do sleep 1; done
   [ -n "${said[$pin]:-}" ] && return "${said[$pin]}"
-  said[$pin]=1
   if [ "$(cat "$out/env-$pin.rc")" = 0 ]; then
     echo "$(grep '^\[envs\]' "$out/env-$pin.log" | tail -n 1) (ready after $(cat "$out/env-$pin.seconds")s)"
     said[$pin]=0
     return 0
   fi
+  said[$pin]=1
   echo "[matrix] $pin: environment could not be built; last lines of $out/env-$pin.log:"
   tail -n 20 "$out/env-$pin.log" | sed 's/^/    /'
   echo "$pin|$(env_mlx_vlm "$pin")|-|-|-|-|-|ENV FAILED" >"$out/$pin.row"
